@@ -1,0 +1,160 @@
+"""Row-stable primitives of the reference path, and the op table toggles swap.
+
+Row-stable means: the bits of one output row depend only on that row's inputs, never
+on how many other rows share the call. That is what lets scheduling toggles
+(continuous batching, chunked prefill, prefix reuse, speculation) be bit-exact
+against the whole-prompt reference.
+
+Why it is needed (measured on the 2-core dev CPU, torch 2.13.0+cpu): fp32
+`x @ W.T` gives different bits for a row when the batch has 1-3 rows than when it
+has 8+, and for large K even 8/9/16/17/64 rows differ from 300 rows. A GEMM whose
+shape is always the same gives the same bits per row, whatever the row's position
+in the tile (checked for tiles of 8: every row, every offset, K up to 1024). So
+`row_linear` pads rows to tiles of 8 and runs one batched GEMM of shape [8, K] x
+[K, N] per tile.
+
+Transcendentals (exp, sigmoid, silu, tanh, softplus) have the same problem in another
+form: torch's vectorised loop handles the last (numel mod 32) elements with the scalar
+libm function, whose bits differ from the SIMD one (measured: sigmoid of the last rows
+of a [150, 4] tensor differs from the same rows in an [80, 4] tensor), and threads split
+long tensors at arbitrary points. `_pointwise` runs them on 64-aligned, zero-padded slices
+of at most 32768 elements (below torch's parallel grain), so every element goes through
+the SIMD path. Correctly rounded ops (+, -, *, /, sqrt) need no such care.
+
+Shape letters: T tokens, D hidden, N output features.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, fields
+from typing import Callable, Iterator
+
+import torch
+
+ROW_TILE = 8  # rows per fixed-shape GEMM tile; see module docstring
+
+
+def row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """y = x @ weight.T, computed so each row's bits are independent of the batch. x [.., D]."""
+    lead, d = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, d)                                  # [T, D]
+    t = x2.shape[0]
+    if x.device.type != "cpu":
+        # GPU batch invariance needs fixed-split kernels (a toggle's business); plain here.
+        return torch.nn.functional.linear(x, weight)
+    n_tiles = max(1, -(-t // ROW_TILE))
+    pad = n_tiles * ROW_TILE - t
+    if pad:
+        x2 = torch.cat([x2, x2.new_zeros(pad, d)])
+    tiles = x2.view(n_tiles, ROW_TILE, d)                  # [n, 8, D]
+    w_t = weight.t().unsqueeze(0).expand(n_tiles, d, weight.shape[0])   # [n, D, N]
+    y = torch.bmm(tiles, w_t).reshape(n_tiles * ROW_TILE, -1)[:t]       # [T, N]
+    return y.reshape(*lead, weight.shape[0])
+
+
+_LANES = 64          # pad to a multiple of this many elements: whole SIMD iterations
+_SLICE = 32768       # torch's parallel grain: a slice this size runs on one thread
+
+
+def _pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """fn(x) with every element on the SIMD path (see module docstring)."""
+    if x.device.type != "cpu":
+        return fn(x)
+    flat = x.reshape(-1)
+    n = flat.numel()
+    padded = -(-n // _LANES) * _LANES
+    if padded != n:
+        flat = torch.cat([flat, flat.new_zeros(padded - n)])
+    else:
+        flat = flat.contiguous()
+    out = torch.empty_like(flat)
+    for i in range(0, padded, _SLICE):
+        out[i:i + _SLICE] = fn(flat[i:i + _SLICE])
+    return out[:n].view(x.shape)
+
+
+def exp(x: torch.Tensor) -> torch.Tensor:
+    return _pointwise(torch.exp, x)
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    return _pointwise(torch.sigmoid, x)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    return _pointwise(torch.nn.functional.silu, x)
+
+
+def softplus(x: torch.Tensor) -> torch.Tensor:
+    return _pointwise(torch.nn.functional.softplus, x)
+
+
+def tanh(x: torch.Tensor) -> torch.Tensor:
+    return _pointwise(torch.tanh, x)
+
+
+def plain_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """torch's own GEMM: fastest, but a row's bits depend on the batch it sits in."""
+    return torch.nn.functional.linear(x, weight)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Normalise in fp32, cast back, then multiply by the gain (used as is, no 1+w)."""
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    y = y.to(x.dtype)
+    return y if weight is None else y * weight
+
+
+def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x * rsqrt(sum x^2 + eps): eps inside the root on the sum of squares (as fla)."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
+    """SiTU-GLU: beta*tanh(g/beta)*sigmoid(g) * lb*tanh(u/lb), in fp32."""
+    g, u = gate.float(), up.float()
+    out = beta * tanh(g / beta) * sigmoid(g) * (linear_beta * tanh(u / linear_beta))
+    return out.to(gate.dtype)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return silu(gate) * up
+
+
+@dataclass
+class OpTable:
+    """The swappable implementations the model calls. The defaults are the reference.
+
+    A toggle replaces entries with `override(...)` and the old entries come back in
+    `finally`, so the model code has no fast-path `if`s.
+    """
+
+    linear: Callable[..., torch.Tensor] = row_linear
+    # kda_prefill(q, k, v, g, beta, state) -> (o [T,H,V], state); None: the recurrence
+    kda_prefill: Callable[..., object] | None = None
+    # mla_attention(q, k, v, q_pos, scale) -> o ; None: blocked exact-softmax reference
+    mla_attention: Callable[..., torch.Tensor] | None = None
+    # mla_decode(layer, q, rows, ...) -> o ; None: decompress rows then mla_attention
+    mla_absorbed: Callable[..., torch.Tensor] | None = None
+
+
+OPS = OpTable()
+
+
+@contextlib.contextmanager
+def override(**changes: Callable | None) -> Iterator[OpTable]:
+    """Swap op-table entries for the duration of the block; always restored."""
+    names = {f.name for f in fields(OpTable)}
+    unknown = sorted(set(changes) - names)
+    if unknown:
+        raise KeyError(f"unknown op {unknown[0]!r}; known ops: {', '.join(sorted(names))}")
+    saved = {k: getattr(OPS, k) for k in changes}
+    try:
+        for k, v in changes.items():
+            setattr(OPS, k, v)
+        yield OPS
+    finally:
+        for k, v in saved.items():
+            setattr(OPS, k, v)
