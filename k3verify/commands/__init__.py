@@ -1,0 +1,52 @@
+"""Subcommands of `k3verify`, one module each, found by k3verify.cli at startup.
+
+A command module defines:
+    NAME: str                      the subcommand name ("info")
+    HELP: str                      one line for `k3verify --help`
+    add_arguments(parser) -> None  its argparse options
+    run(args) -> int               0 ok, 1 a check failed; raise UsageError/K3Error for bad input (2)
+Modules whose name starts with "_" are helpers, not commands.
+
+Output convention (nanoGPT-style): a rich table for people, then with --json one
+final line of JSON for machines. The helpers below keep every command alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+from rich.console import Console
+
+
+def console() -> Console:
+    """A rich Console on the current sys.stdout; plain text (no colour codes) when not a TTY."""
+    # Built per call so a redirected or captured stdout is honoured. Off a TTY rich would
+    # assume 80 columns and fold hashes and paths; logs read better at 120 unless COLUMNS says.
+    width = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 120
+    return Console(file=sys.stdout, highlight=False, soft_wrap=False, width=width)
+
+
+def err_console() -> Console:
+    return Console(file=sys.stderr, highlight=False)
+
+
+def add_json_flag(parser) -> None:
+    parser.add_argument("--json", action="store_true", help="after the table, print one final line of JSON")
+
+
+def add_model_flag(parser) -> None:
+    parser.add_argument(
+        "--model",
+        default=None,
+        metavar="M",
+        help="model directory (config.json + model.safetensors) or preset name (k3-mini, ...); default: the embedded model",
+    )
+
+
+def emit_json(obj: Any) -> None:
+    """The machine-readable last line: compact, sorted, never wrapped or coloured by rich."""
+    sys.stdout.write(json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str) + "\n")
+    sys.stdout.flush()
