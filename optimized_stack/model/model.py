@@ -27,6 +27,7 @@ from .attn_res import AttnResRead, make_read_params
 from .kda import KDAState, KDAttention
 from .mla import MLAttention
 from .moe import GLU, MoE
+from ..errors import K3Error
 from .ops import OPS, rms_norm
 
 Probe = Callable[[int, str, torch.Tensor], None]
@@ -135,28 +136,51 @@ class K3Model(nn.Module):
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, state: RequestState) -> torch.Tensor:
         """Append ids [T] to the request in `state` (advanced in place) -> logits [T, V] fp32."""
-        ids = _as_ids(ids, self.config.vocab_size).to(self.device)
+        return self.forward_batch([(ids, state)])[0]
+
+    @torch.no_grad()
+    def forward_batch(self, segments: list[tuple[torch.Tensor, RequestState]]) -> list[torch.Tensor]:
+        """Several requests in one call: each segment appends its ids to its own state.
+
+        Token-wise work (projections, norms, AttnRes, FFN/MoE, lm_head) runs on the
+        concatenated rows; KDA and MLA run per segment on their own state. Every op is
+        row-stable, so each segment's logits are bit-identical to calling `forward` alone.
+        """
+        if not segments:
+            raise K3Error("forward_batch: expected at least one (ids, state) segment, got none")
         cfg = self.config
-        x = self.model.embed_tokens(ids)                                  # [T, D]
+        ids_list = [_as_ids(ids, cfg.vocab_size).to(self.device) for ids, _ in segments]
+        states = [st for _, st in segments]
+        if len({id(st) for st in states}) != len(states):
+            raise K3Error("forward_batch: each segment needs its own RequestState, got one twice")
+        bounds, start = [], 0
+        for ids in ids_list:
+            bounds.append((start, start + ids.shape[0]))
+            start += ids.shape[0]
+        x = self.model.embed_tokens(torch.cat(ids_list))                 # [T, D]
         self._emit(-1, "embed", x)
-        if cfg.attn_res_block_size is None:
-            h = self._plain_stack(x, state)
-        else:
-            h = self._attn_res_stack(x, state)
+        seg = _Segments(bounds, states)
+        h = self._plain_stack(x, seg) if cfg.attn_res_block_size is None else self._attn_res_stack(x, seg)
         h = self.model.norm(h)
         self._emit(-1, "final_norm", h)
-        logits = OPS.linear(h, self.lm_head.weight).float()
+        logits = OPS.linear(h, self.lm_head.weight).float()               # [T, V]
         self._emit(-1, "logits", logits)
-        state.num_tokens += ids.shape[0]
-        return logits
+        for ids, st in zip(ids_list, states):
+            st.num_tokens += ids.shape[0]
+        return [logits[a:b] for a, b in bounds]
 
-    def _mixer(self, layer: DecoderLayer, x: torch.Tensor, state: RequestState) -> torch.Tensor:
-        if layer.kind == KDA:
-            return layer.self_attn(x, state.kda[layer.index])
-        out, state.mla[layer.index] = layer.self_attn(x, state.mla[layer.index])
-        return out
+    def _mixer(self, layer: DecoderLayer, x: torch.Tensor, seg: "_Segments") -> torch.Tensor:
+        """Run the KDA / MLA mixer per segment, each on its own request state."""
+        outs = []
+        for (a, b), st in zip(seg.bounds, seg.states):
+            if layer.kind == KDA:
+                outs.append(layer.self_attn(x[a:b], st.kda[layer.index]))
+            else:
+                out, st.mla[layer.index] = layer.self_attn(x[a:b], st.mla[layer.index])
+                outs.append(out)
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def _plain_stack(self, h: torch.Tensor, state: RequestState) -> torch.Tensor:
+    def _plain_stack(self, h: torch.Tensor, state: "_Segments") -> torch.Tensor:
         """Kimi Linear: the classic residual stream."""
         for layer in self.model.layers:
             i = layer.index
@@ -172,7 +196,7 @@ class K3Model(nn.Module):
         self._emit(-1, "final_in", h)
         return h
 
-    def _attn_res_stack(self, embed: torch.Tensor, state: RequestState) -> torch.Tensor:
+    def _attn_res_stack(self, embed: torch.Tensor, state: "_Segments") -> torch.Tensor:
         """K3: block snapshots of the residual stream, read through learned mixes."""
         cfg = self.config
         eps = cfg.rms_norm_eps
@@ -204,8 +228,15 @@ class K3Model(nn.Module):
         return h
 
 
+@dataclass
+class _Segments:
+    """Row ranges [a, b) of the concatenated tokens and the state each range belongs to."""
+
+    bounds: list[tuple[int, int]]
+    states: list[RequestState]
+
+
 def _as_ids(ids: torch.Tensor | list[int], vocab: int) -> torch.Tensor:
-    from ..errors import K3Error
     if not isinstance(ids, torch.Tensor):
         ids = torch.tensor(list(ids), dtype=torch.long)
     if ids.dim() != 1:

@@ -1,0 +1,178 @@
+"""The registry of named optimizations (and seeded faults) with their contracts.
+
+A toggle is applied from outside the model: it swaps op-table entries
+(`optimized_stack.model.ops.override`) and/or sets engine options, inside one context
+manager that always restores what it changed. Nothing in the model branches on a toggle.
+
+Contracts:
+- exact: logits (every vocab entry, every step) and KDA state (every layer, every step)
+  bit-identical to the reference on every scenario the toggle applies to.
+- approx(budget): numerics may move within the budget (max KL, min top-1 agreement,
+  max ULP on logits), and the quality gates named in the contract must pass.
+
+Mutants are seeded faults with the same shape as toggles (`kind="mutant"`): each names
+the check that must catch it and where it lives, so `k3verify selftest` can prove that
+every check can fail.
+"""
+from __future__ import annotations
+
+import contextlib
+import difflib
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Iterator
+
+from .errors import K3Error
+
+TENSORS = ("logits", "kda_state", "kda_conv", "mla_rows")
+CHECKS = ("logits", "kda_state", "tokens", "mla_rows", "drift_budget")
+
+
+@dataclass(frozen=True)
+class Contract:
+    kind: str                                  # "exact" or "approx"
+    max_kl: float | None = None                # max over steps of KL(ref || cand), nats
+    min_top1: float | None = None              # min fraction of steps with equal argmax
+    max_ulp: int | None = None                 # max ULP distance on logits
+    quality: tuple[str, ...] = ()              # quality gates that must pass (gsm8k, needle, kvv)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("exact", "approx"):
+            raise K3Error(f"contract kind: expected 'exact' or 'approx', got {self.kind!r}")
+        if self.kind == "exact" and any(v is not None for v in (self.max_kl, self.min_top1, self.max_ulp)):
+            raise K3Error("contract: an exact contract takes no drift budget")
+        if self.kind == "approx" and self.max_kl is None and self.min_top1 is None and self.max_ulp is None:
+            raise K3Error("contract: an approx contract needs a drift budget (max_kl, min_top1 or max_ulp)")
+
+    def describe(self) -> str:
+        if self.kind == "exact":
+            return "exact"
+        parts = [f"max_kl={self.max_kl:g}" if self.max_kl is not None else "",
+                 f"min_top1={self.min_top1:g}" if self.min_top1 is not None else "",
+                 f"max_ulp={self.max_ulp}" if self.max_ulp is not None else ""]
+        return "approx(" + ", ".join(p for p in parts if p) + ")"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "max_kl": self.max_kl, "min_top1": self.min_top1,
+                "max_ulp": self.max_ulp, "quality": list(self.quality), "text": self.describe()}
+
+
+EXACT = Contract("exact")
+
+
+@dataclass(frozen=True)
+class Toggle:
+    name: str
+    description: str
+    contract: Contract
+    touches: tuple[str, ...]
+    kind: str = "optimization"                 # or "mutant"
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    world_sizes: tuple[int, ...] = (1,)
+    # engine options this toggle sets (EngineOptions field -> value)
+    engine: dict[str, Any] = field(default_factory=dict)
+    # op-table swap (and anything else process-wide): a () -> context manager factory
+    patch: Callable[[], ContextManager[Any]] | None = None
+    # other toggles that must be on for this one to mean anything
+    requires: tuple[str, ...] = ()
+    # scenarios (by tag) it applies to; empty = every scenario
+    scenario_tags: tuple[str, ...] = ()
+    # mutants: the check that must catch it and where it lives ("layer_kind/sublayer")
+    caught_by: tuple[str, ...] = ()
+    lives_in: str | None = None
+    mutant_of: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("optimization", "mutant"):
+            raise K3Error(f"toggle {self.name!r}: kind must be 'optimization' or 'mutant', got {self.kind!r}")
+        bad = [t for t in self.touches if t not in TENSORS]
+        if bad:
+            raise K3Error(f"toggle {self.name!r}: touches {bad[0]!r}, expected some of {TENSORS}")
+        bad = [c for c in self.caught_by if c not in CHECKS]
+        if bad:
+            raise K3Error(f"toggle {self.name!r}: caught_by {bad[0]!r}, expected some of {CHECKS}")
+        if self.kind == "mutant" and not self.caught_by:
+            raise K3Error(f"mutant {self.name!r}: must name the check that catches it (caught_by)")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": self.kind, "contract": self.contract.to_dict(),
+                "touches": list(self.touches), "description": self.description,
+                "devices": list(self.devices), "world_sizes": list(self.world_sizes),
+                "engine": dict(self.engine), "requires": list(self.requires),
+                "scenario_tags": list(self.scenario_tags), "caught_by": list(self.caught_by),
+                "lives_in": self.lives_in, "mutant_of": self.mutant_of}
+
+
+_REGISTRY: dict[str, Toggle] = {}
+
+
+def register(toggle: Toggle) -> Toggle:
+    """Add a toggle; duplicates are refused."""
+    if toggle.name in _REGISTRY:
+        raise K3Error(f"toggle {toggle.name!r} is registered twice")
+    _REGISTRY[toggle.name] = toggle
+    return toggle
+
+
+def get(name: str) -> Toggle:
+    _load_all()
+    if name not in _REGISTRY:
+        close = difflib.get_close_matches(name, list(_REGISTRY), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise K3Error(f"unknown toggle {name!r}{hint}")
+    return _REGISTRY[name]
+
+
+def all_toggles(kind: str | None = None) -> list[Toggle]:
+    _load_all()
+    return [t for t in _REGISTRY.values() if kind is None or t.kind == kind]
+
+
+def resolve(names: list[str] | tuple[str, ...]) -> list[Toggle]:
+    """Toggles by name plus everything they require, in a stable order."""
+    out: dict[str, Toggle] = {}
+
+    def add(n: str) -> None:
+        t = get(n)
+        for r in t.requires:
+            add(r)
+        out.setdefault(t.name, t)
+    for n in names:
+        add(n)
+    return list(out.values())
+
+
+@contextlib.contextmanager
+def applied(names: list[str] | tuple[str, ...]) -> Iterator[dict[str, Any]]:
+    """Apply toggles (patches entered in order, exited in reverse, always); yields the merged
+    engine options the toggles ask for."""
+    toggles = resolve(names)
+    options: dict[str, Any] = {}
+    for t in toggles:
+        for k, v in t.engine.items():
+            if k in options and options[k] != v:
+                raise K3Error(f"toggles disagree on engine option {k!r}: {options[k]!r} vs {v!r} ({t.name})")
+            options[k] = v
+    with contextlib.ExitStack() as stack:
+        for t in toggles:
+            if t.patch is not None:
+                stack.enter_context(t.patch())
+        yield options
+
+
+_LOADED = False
+
+
+def _load_all() -> None:
+    """Import the modules that define toggles (kept next to the code they switch)."""
+    global _LOADED
+    if _LOADED:
+        return
+    _LOADED = True
+    import importlib
+    for mod in ("optimized_stack.kernels.toggle_defs", "optimized_stack.engine.toggle_defs",
+                "optimized_stack.engine.spec_toggle_defs"):
+        try:
+            importlib.import_module(mod)
+        except ModuleNotFoundError as exc:
+            if exc.name != mod:       # a real import error inside the module: surface it
+                raise
