@@ -61,9 +61,23 @@ def _fit(name: str, tensor: torch.Tensor, target: torch.Tensor, cfg: K3Config) -
                           f"got {tuple(tensor.shape)}")
 
 
+def _canonical_names(tensors: dict[str, torch.Tensor], params: dict[str, torch.Tensor]
+                     ) -> dict[str, torch.Tensor]:
+    """transformers' KimiLinear save_pretrained writes dense (non-MoE) layers as
+    `block_sparse_moe.{gate,up,down}_proj`; real checkpoints use `mlp.*`. Map the former."""
+    out = {}
+    for name, t in tensors.items():
+        alt = name.replace(".block_sparse_moe.", ".mlp.")
+        if name not in params and alt in params and alt not in tensors:
+            name = alt
+        out[name] = t
+    return out
+
+
 def load_weights(model: K3Model, tensors: dict[str, torch.Tensor]) -> None:
     """Strictly copy tensors into model; every parameter must be provided exactly once."""
     params = dict(model.named_parameters())
+    tensors = _canonical_names(tensors, params)
     missing = sorted(set(params) - set(tensors))
     if missing:
         raise CheckpointError(f"tensor {missing[0]!r} is missing from the checkpoint "

@@ -36,6 +36,8 @@ _IGNORED_HF_KEYS = {
     "pad_token_id", "vision_config", "text_config", "media_placeholder_token_id",
     "model_max_length", "mla_use_nope", "moe_router_activation_func", "moe_renormalize",
     "latent_moe_use_norm", "head_dim", "linear_attn_config", "layer_types",
+    # transformers' KimiLinearConfig writes these; they restate other fields
+    "mlp_layer_types", "output_router_logits", "qk_head_dim", "router_aux_loss_coef",
 }
 
 
@@ -229,7 +231,7 @@ _KNOWN_EXTRA = {
     "activation_situ_linear_beta", "attn_res_block_size", "rms_norm_eps", "lora_norm_eps",
     "k3_variant", "linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim",
     "linear_short_conv_kernel_size", "num_expert_group", "topk_group", "n_group",
-    "linear_gate_lower_bound", "linear_use_full_rank_gate",
+    "linear_gate_lower_bound", "linear_use_full_rank_gate", "norm_topk_prob",
 } | {a for names in _ALIASES.values() for a in names}
 
 
@@ -319,13 +321,15 @@ def _from_hf(data: dict[str, Any]) -> K3Config:
         moe_intermediate_size=_get(data, "moe_intermediate_size", _get(data, "intermediate_size")),
         routed_expert_hidden_size=data.get("routed_expert_hidden_size"),
         routed_scaling_factor=float(data.get("routed_scaling_factor", 1.0)),
-        moe_renormalize=data.get("moe_renormalize", True),
+        moe_renormalize=data.get("moe_renormalize", data.get("norm_topk_prob", True)),
         activation=act,
         situ_beta=float(data.get("activation_situ_beta", 4.0)),
         situ_linear_beta=float(data.get("activation_situ_linear_beta", 25.0)),
         attn_res_block_size=data.get("attn_res_block_size") if is_k3 else None,
         rms_norm_eps=float(data.get("rms_norm_eps", 1e-5)),
-        lora_norm_eps=data.get("lora_norm_eps"),
+        # Kimi Linear's HF code builds the MLA LoRA norms with the hard-coded 1e-6; the K3
+        # port uses rms_norm_eps (k3-architecture.md: unconfirmed which K3 expects).
+        lora_norm_eps=data.get("lora_norm_eps", None if is_k3 else 1e-6),
         bos_token_id=data.get("bos_token_id", 1) if data.get("bos_token_id") is not None else 1,
         eos_token_id=_first(data.get("eos_token_id", 2)),
         pad_token_id=data.get("pad_token_id", 0) if data.get("pad_token_id") is not None else 0,
