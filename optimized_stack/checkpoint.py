@@ -100,6 +100,7 @@ def save_checkpoint(model: K3Model, directory: str | Path) -> str:
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata={"format": "pt"})
+        os.chmod(tmp, 0o644)            # mkstemp makes it 0600; checkpoints are shared files
         os.replace(tmp, directory / WEIGHTS)
     finally:
         if os.path.exists(tmp):
