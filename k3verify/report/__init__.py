@@ -1,0 +1,110 @@
+"""Run reports: report.json (versioned schema, the machine-readable truth) and its views.
+
+    reports/<run-id>/report.json   the dict, validated against schema.py
+                     report.md     summary table + failures
+                     report.html   self-contained page with plots
+                     junit.xml     for CI
+
+write_report validates first and renders every view before touching the disk, so a
+bad report writes nothing; each file is replaced atomically; report.json goes last,
+so its presence means the views beside it belong to it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import secrets
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from k3verify.errors import UsageError
+from k3verify.io import atomic_write_json, atomic_write_text
+
+from .environment import environment_fingerprint
+from .render_html import render_html
+from .render_junit import render_junit
+from .render_md import render_markdown
+from .schema import SCHEMA_VERSION, summarize, validate_report
+
+__all__ = [
+    "SCHEMA_VERSION", "build_report", "environment_fingerprint", "load_report", "new_run_id", "render_html",
+    "render_junit", "render_markdown", "summarize", "validate_report", "write_report", "REPORT_FILES",
+]
+
+REPORT_FILES = {"json": "report.json", "md": "report.md", "html": "report.html", "junit": "junit.xml"}
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,39}$")
+
+
+def new_run_id(prefix: str = "run", now: datetime | None = None) -> str:
+    """'20261129-234501-diff-ab12cd': local time, the prefix, 6 random hex digits (two runs a second apart differ)."""
+    if not isinstance(prefix, str) or not _PREFIX_RE.match(prefix):
+        raise ValueError(f"run id prefix must be 1-40 characters of [A-Za-z0-9_.-], got {prefix!r}")
+    stamp = (now or datetime.now()).strftime("%Y%m%d-%H%M%S")
+    return f"{stamp}-{prefix}-{secrets.token_hex(3)}"
+
+
+def build_report(run_id: str, command: str, environment: Mapping[str, Any], results: Sequence[Mapping[str, Any]],
+                 created: str | None = None) -> dict[str, Any]:
+    """A schema-valid report dict with the summary computed from `results`."""
+    report = {
+        "schema_version": SCHEMA_VERSION,
+        "run_id": run_id,
+        "created": created or datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": command,
+        "environment": dict(environment),
+        "results": [dict(r) for r in results],
+        "summary": summarize(results),
+    }
+    validate_report(report)
+    return report
+
+
+def _json_safe(obj: Any) -> Any:
+    """NaN/inf as strings ("nan", "inf", "-inf"), the convention compare.Finding.to_dict uses; strict JSON after."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, Mapping):
+        return {str(k): _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+def write_report(directory: str | os.PathLike, report: Mapping[str, Any]) -> dict[str, Path]:
+    """Validate, render, then write all four files into `directory` (created). Returns kind -> path."""
+    validate_report(report)
+    safe = _json_safe(report)
+    rendered = {
+        "md": render_markdown(safe),
+        "html": render_html(safe),
+        "junit": render_junit(safe),
+    }
+    out_dir = Path(directory)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {kind: out_dir / name for kind, name in REPORT_FILES.items()}
+    for kind, text in rendered.items():
+        atomic_write_text(paths[kind], text)
+    atomic_write_json(paths["json"], safe, allow_nan=False)
+    return paths
+
+
+def load_report(path: str | os.PathLike) -> dict[str, Any]:
+    """Read and validate report.json (or the run directory holding it)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / REPORT_FILES["json"]
+    if not p.is_file():
+        raise UsageError(f"no report at {p}: expected a report.json file or a run directory holding one")
+    try:
+        obj = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{p}: not valid JSON ({exc})") from None
+    try:
+        validate_report(obj)
+    except ValueError as exc:
+        raise UsageError(f"{p}: {exc}") from None
+    return obj

@@ -1,0 +1,133 @@
+"""The run report's shape (report.json), version 1, and its validator.
+
+report.json is the machine-readable truth; the Markdown, HTML and JUnit views are
+rendered from the same dict. The validator checks structure before anything is
+written: required keys and their types, closed vocabularies (kind, status,
+verdict), and that the summary counts agree with the results. Extra keys are
+allowed (a result may carry "per_step", "accuracy", "contract_detail" ...), so
+the gate can add evidence without a schema bump; removing or retyping a key
+needs SCHEMA_VERSION + 1.
+
+Verdict rule: "pass" exactly when no result failed and none errored. Skips do not
+fail a run, but they are counted and each states its reason.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Iterable, Mapping
+
+SCHEMA_VERSION = 1
+
+KINDS = ("optimization", "mutant")
+STATUSES = ("pass", "fail", "skip", "error")
+VERDICTS = ("pass", "fail")
+
+_NUMBER = (int, float)
+
+# key -> (accepted types, nullable)
+_TOP_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
+    "schema_version": ((int,), False),
+    "run_id": ((str,), False),
+    "created": ((str,), False),
+    "command": ((str,), False),
+    "environment": ((dict,), False),
+    "results": ((list,), False),
+    "summary": ((dict,), False),
+}
+_RESULT_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
+    "toggle": ((str,), False),
+    "kind": ((str,), False),
+    "contract": ((str,), False),
+    "check": ((str,), False),
+    "scenario": ((str,), True),
+    "status": ((str,), False),
+    "reason": ((str,), False),
+    "findings": ((list,), False),
+    "first_divergence": ((dict,), True),
+    "localization": ((dict,), True),
+    "caught": ((bool,), True),
+    "duration_s": (_NUMBER, False),
+    "speedup": ((dict,), True),
+}
+_SUMMARY_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
+    "passed": ((int,), False),
+    "failed": ((int,), False),
+    "skipped": ((int,), False),
+    "errors": ((int,), False),
+    "verdict": ((str,), False),
+}
+# summary key -> the status it counts
+SUMMARY_COUNTS = {"passed": "pass", "failed": "fail", "skipped": "skip", "errors": "error"}
+
+
+def _type_name(types: tuple[type, ...]) -> str:
+    names = {"str": "string", "int": "integer", "float": "number", "dict": "object", "list": "array", "bool": "boolean"}
+    return " or ".join(dict.fromkeys(names.get(t.__name__, t.__name__) for t in types))
+
+
+def _check_fields(obj: Mapping[str, Any], fields: dict[str, tuple[tuple[type, ...], bool]], where: str) -> None:
+    for key, (types, nullable) in fields.items():
+        if key not in obj:
+            raise ValueError(f"{where}: missing required field {key!r}")
+        value = obj[key]
+        if value is None and nullable:
+            continue
+        # bool is an int in Python; a count or a version that arrives as true/false is still wrong.
+        ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
+        if not ok:
+            expected = _type_name(types) + (" or null" if nullable else "")
+            raise ValueError(f"{where}.{key}: expected {expected}, got {type(value).__name__} {value!r:.60}")
+
+
+def _check_choice(value: str, allowed: Iterable[str], where: str) -> None:
+    allowed = tuple(allowed)
+    if value not in allowed:
+        raise ValueError(f"{where}: expected one of {', '.join(allowed)}, got {value!r}")
+
+
+def summarize(results: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """The summary block that matches `results` (what validate_report expects)."""
+    statuses = [r.get("status") for r in results]
+    out: dict[str, Any] = {key: statuses.count(status) for key, status in SUMMARY_COUNTS.items()}
+    out["verdict"] = "pass" if out["failed"] == 0 and out["errors"] == 0 else "fail"
+    return out
+
+
+def validate_result(result: Any, where: str = "result") -> None:
+    if not isinstance(result, dict):
+        raise ValueError(f"{where}: expected object, got {type(result).__name__}")
+    _check_fields(result, _RESULT_FIELDS, where)
+    _check_choice(result["kind"], KINDS, f"{where}.kind")
+    _check_choice(result["status"], STATUSES, f"{where}.status")
+    if result["duration_s"] < 0:
+        raise ValueError(f"{where}.duration_s: expected >= 0, got {result['duration_s']}")
+    if result["status"] in ("fail", "skip", "error") and not result["reason"].strip():
+        raise ValueError(f"{where}.reason: a {result['status']} must state its reason, got an empty string")
+    for j, finding in enumerate(result["findings"]):
+        if not isinstance(finding, dict):
+            raise ValueError(f"{where}.findings[{j}]: expected object, got {type(finding).__name__}")
+
+
+def validate_report(obj: Any) -> None:
+    """Raise ValueError with a one-line reason when obj is not a valid version-1 report."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"report: expected object, got {type(obj).__name__}")
+    _check_fields(obj, _TOP_FIELDS, "report")
+    if obj["schema_version"] != SCHEMA_VERSION:
+        raise ValueError(f"report.schema_version: expected {SCHEMA_VERSION}, got {obj['schema_version']!r}")
+    if not obj["run_id"]:
+        raise ValueError("report.run_id: expected a non-empty string, got ''")
+    try:
+        datetime.fromisoformat(obj["created"].replace("Z", "+00:00"))
+    except ValueError:
+        raise ValueError(f"report.created: expected an ISO 8601 timestamp, got {obj['created']!r}") from None
+    for i, result in enumerate(obj["results"]):
+        validate_result(result, f"report.results[{i}]")
+    summary = obj["summary"]
+    _check_fields(summary, _SUMMARY_FIELDS, "report.summary")
+    _check_choice(summary["verdict"], VERDICTS, "report.summary.verdict")
+    expected = summarize(obj["results"])
+    for key in (*SUMMARY_COUNTS, "verdict"):
+        if summary[key] != expected[key]:
+            raise ValueError(f"report.summary.{key}: results give {expected[key]!r}, summary says {summary[key]!r}")
