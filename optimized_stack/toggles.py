@@ -70,6 +70,8 @@ class Toggle:
     world_sizes: tuple[int, ...] = (1,)
     # engine options this toggle sets (EngineOptions field -> value)
     engine: dict[str, Any] = field(default_factory=dict)
+    # options for the verifier's plain sequential runner (prefill split, state round trip)
+    runner: dict[str, Any] = field(default_factory=dict)
     # op-table swap (and anything else process-wide): a () -> context manager factory
     patch: Callable[[], ContextManager[Any]] | None = None
     # other toggles that must be on for this one to mean anything
@@ -97,7 +99,7 @@ class Toggle:
         return {"name": self.name, "kind": self.kind, "contract": self.contract.to_dict(),
                 "touches": list(self.touches), "description": self.description,
                 "devices": list(self.devices), "world_sizes": list(self.world_sizes),
-                "engine": dict(self.engine), "requires": list(self.requires),
+                "engine": dict(self.engine), "runner": dict(self.runner), "requires": list(self.requires),
                 "scenario_tags": list(self.scenario_tags), "caught_by": list(self.caught_by),
                 "lives_in": self.lives_in, "mutant_of": self.mutant_of}
 
@@ -141,22 +143,39 @@ def resolve(names: list[str] | tuple[str, ...]) -> list[Toggle]:
     return list(out.values())
 
 
-@contextlib.contextmanager
-def applied(names: list[str] | tuple[str, ...]) -> Iterator[dict[str, Any]]:
-    """Apply toggles (patches entered in order, exited in reverse, always); yields the merged
-    engine options the toggles ask for."""
-    toggles = resolve(names)
+@dataclass
+class Applied:
+    """What a set of applied toggles asks of the runner: engine and runner options."""
+
+    toggles: list[Toggle]
+    engine: dict[str, Any]
+    runner: dict[str, Any]
+
+
+def _merge(toggles: list[Toggle], attr: str) -> dict[str, Any]:
     options: dict[str, Any] = {}
     for t in toggles:
-        for k, v in t.engine.items():
+        for k, v in getattr(t, attr).items():
+            if k == "faults":                      # mutants' faults accumulate
+                options[k] = frozenset(options.get(k, frozenset())) | frozenset(v)
+                continue
             if k in options and options[k] != v:
-                raise K3Error(f"toggles disagree on engine option {k!r}: {options[k]!r} vs {v!r} ({t.name})")
+                raise K3Error(f"toggles disagree on {attr} option {k!r}: {options[k]!r} vs {v!r} ({t.name})")
             options[k] = v
+    return options
+
+
+@contextlib.contextmanager
+def applied(names: list[str] | tuple[str, ...]) -> Iterator[Applied]:
+    """Apply toggles (patches entered in order, exited in reverse, always restored) and
+    yield the merged engine / runner options they ask for."""
+    toggles = resolve(names)
+    result = Applied(toggles, _merge(toggles, "engine"), _merge(toggles, "runner"))
     with contextlib.ExitStack() as stack:
         for t in toggles:
             if t.patch is not None:
                 stack.enter_context(t.patch())
-        yield options
+        yield result
 
 
 _LOADED = False

@@ -1,0 +1,49 @@
+"""`k3verify selftest`: prove every check can fail (each mutant caught and localised) and
+every real toggle passes. Exit 0 only if all hold."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from rich.table import Table
+
+from k3verify.commands import add_json_flag, add_model_flag, console, emit_json
+
+NAME = "selftest"
+HELP = "run every toggle and every seeded-fault mutant; exit 0 only if all mutants are caught"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--report-dir", type=Path, help="where to write the report (default reports/<run-id>)")
+    parser.add_argument("--scale", type=float, default=1.0, help="scenario size multiplier")
+    add_model_flag(parser)
+    add_json_flag(parser)
+
+
+def run(args) -> int:
+    from optimized_stack import load_model
+
+    from k3verify import verify
+    from k3verify.selftest import run_selftest
+
+    model = load_model(args.model)
+    results = run_selftest(model, scale=args.scale, progress=lambda m: print(f"  selftest {m}", file=sys.stderr))
+    run_id, default_dir = verify.default_report_dir("selftest")
+    report, paths = verify.write(args.report_dir or default_dir, run_id, "k3verify " + " ".join(sys.argv[1:]),
+                                 model, results)
+    table = Table(title="selftest")
+    for col in ("toggle", "kind", "scenario", "status", "caught", "localised to", "reason"):
+        table.add_column(col, overflow="fold")
+    for r in results:
+        loc = (r.get("localization") or {}).get("component") or ""
+        caught = "" if r["caught"] is None else str(r["caught"]).lower()
+        table.add_row(r["toggle"], r["kind"], r["scenario"] or "", r["status"], caught, loc, r["reason"][:70])
+    con = console()
+    con.print(table)
+    verdict = report["summary"]["verdict"]
+    mutants = [r for r in results if r["kind"] == "mutant" and r["status"] != "skip"]
+    con.print(f"mutants caught: {sum(bool(r['caught']) for r in mutants)}/{len(mutants)}  verdict: {verdict}  "
+              f"report: {paths['md']}")
+    if args.json:
+        emit_json({"run_id": run_id, "verdict": verdict, "report": str(paths["json"]), "summary": report["summary"]})
+    return 0 if verdict == "pass" else 1

@@ -1,0 +1,81 @@
+"""Self-test: every real toggle passes its contract, every mutant is caught by the check
+that should catch it, and localisation names the component where the mutant lives.
+
+A check that cannot fail is a defect; this is where the project proves none of its
+checks is one.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from optimized_stack import toggles as toggle_registry
+
+from . import workloads
+from .gate import ReferenceRuns, check_toggle
+
+SELFTEST_SCENARIO = "single"
+
+
+def _scenario_for(toggle, scale: float):
+    """The cheapest scenario the toggle (or the toggle it mutates) applies to."""
+    tags = set(toggle.scenario_tags)
+    if toggle.mutant_of:
+        tags |= set(toggle_registry.get(toggle.mutant_of).scenario_tags)
+    if not tags:
+        return workloads.build(SELFTEST_SCENARIO, scale=scale)
+    for name in workloads.SCENARIOS:
+        sc = workloads.build(name, scale=scale)
+        if tags & set(sc.tags):
+            return sc
+    return workloads.build(SELFTEST_SCENARIO, scale=scale)
+
+
+def run_selftest(model, *, scale: float = 1.0, device: str = "cpu",
+                 progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    refs = ReferenceRuns(model)
+    out: list[dict[str, Any]] = []
+    for toggle in toggle_registry.all_toggles():
+        if device not in toggle.devices:
+            out.append({"toggle": toggle.name, "kind": toggle.kind, "contract": toggle.contract.describe(),
+                        "check": "selftest", "scenario": None, "status": "skip",
+                        "reason": f"runs on {', '.join(toggle.devices)}, not {device}", "findings": [],
+                        "first_divergence": None, "localization": None, "caught": None,
+                        "duration_s": 0.0, "speedup": None})
+            continue
+        sc = _scenario_for(toggle, scale)
+        if progress:
+            progress(f"{toggle.name} on {sc.name}")
+        results = check_toggle(model, toggle.name, sc, references=refs)
+        failed = {r.check for r in results if r.status == "fail"}
+        errors = [r for r in results if r.status == "error"]
+        base = {"toggle": toggle.name, "kind": toggle.kind, "contract": toggle.contract.describe(),
+                "check": "selftest", "scenario": sc.name, "duration_s": sum(r.duration_s for r in results) /
+                max(1, len(results)), "speedup": None}
+        if toggle.kind == "optimization":
+            ok = not failed and not errors
+            reason = ("contract holds: " + "; ".join(f"{r.check} {r.reason}" for r in results)) if ok else (
+                "a real toggle failed its contract: " + "; ".join(f"{r.check}: {r.reason}" for r in results
+                                                                   if r.status == "fail"))
+            out.append({**base, "status": "pass" if ok else "fail", "reason": reason,
+                        "findings": [f for r in results for f in r.findings][:2],
+                        "first_divergence": next((r.first_divergence for r in results if r.first_divergence), None),
+                        "localization": None, "caught": None})
+            continue
+        caught_by = sorted(failed & set(toggle.caught_by))
+        loc = next((r.localization for r in results if r.localization), None)
+        where = (loc or {}).get("component")
+        localised = toggle.lives_in is None or where == toggle.lives_in
+        caught = bool(caught_by)
+        problems = []
+        if not caught:
+            problems.append(f"not caught by {', '.join(toggle.caught_by)} (failed checks: {sorted(failed) or 'none'})")
+        if caught and not localised:
+            problems.append(f"localised to {where!r}, expected {toggle.lives_in!r}")
+        status = "pass" if caught and localised else "fail"
+        reason = (f"caught by {', '.join(caught_by)}; localised to {where}" if status == "pass"
+                  else "; ".join(problems))
+        out.append({**base, "status": status, "reason": reason,
+                    "findings": [f for r in results for f in r.findings][:2],
+                    "first_divergence": next((r.first_divergence for r in results if r.first_divergence), None),
+                    "localization": loc, "caught": caught})
+    return out
