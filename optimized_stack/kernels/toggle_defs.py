@@ -16,6 +16,7 @@ from ..model.kda import kda_recurrent
 from ..toggles import EXACT, Contract, Toggle, register
 from .kda_chunked import kda_chunked
 from .mla_absorbed import mla_absorbed
+from .mla_sdpa import sdpa_attention
 
 
 def _ops(**changes):
@@ -50,6 +51,11 @@ register(Toggle(
     description="MLA attention over latent cache rows with kv_b_proj absorbed into q and "
                 "the output (reads each row once; no K/V decompression)",
     patch=_ops(mla_absorbed=mla_absorbed)))
+
+register(Toggle(
+    name="mla_sdpa", contract=APPROX_KERNEL, touches=("logits",),
+    description="MLA causal softmax in torch's fused SDPA kernel (O(T) memory; long prefills on CPU)",
+    patch=_ops(mla_attention=sdpa_attention)))
 
 # ---- exact toggles of the incremental path (the verifier's sequential runner) --------
 register(Toggle(
