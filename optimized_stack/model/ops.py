@@ -46,6 +46,8 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     pad = n_tiles * ROW_TILE - t
     if pad:
         x2 = torch.cat([x2, x2.new_zeros(pad, d)])
+    if n_tiles == 1:        # decode: one tile; mm of the same [8, D] shape gives the same bits
+        return torch.mm(x2, weight.t())[:t].reshape(*lead, weight.shape[0])
     tiles = x2.view(n_tiles, ROW_TILE, d)                  # [n, 8, D]
     w_t = weight.t().unsqueeze(0).expand(n_tiles, d, weight.shape[0])   # [n, D, N]
     y = torch.bmm(tiles, w_t).reshape(n_tiles * ROW_TILE, -1)[:t]       # [T, N]
