@@ -134,3 +134,35 @@ class MLAttention(nn.Module):
         if cfg.mla_output_gate:
             o = o * sigmoid(lin(x, self.g_proj.weight).float()).view_as(o)
         return lin(o.reshape(x.shape[0], -1).to(x.dtype), self.o_proj.weight), rows
+
+    # ---- projected K/V cache (engine option projected_kv_cache) ------------------------
+    def project(self, rows: torch.Tensor) -> torch.Tensor:
+        """Cache rows [S, R] -> kv_b_proj output [S, H*(nope+Vd)]: the op `decompress` runs,
+        so by row-stability a row projected once and kept equals a row re-projected later."""
+        return OPS.linear(rows[:, :self.cfg.kv_lora_rank], self.kv_b_proj.weight)
+
+    def forward_projected(self, x: torch.Tensor, cache: torch.Tensor, kv: torch.Tensor | None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`forward` that keeps the projected K/V: kv [S', H*(nope+Vd)] covers the first
+        S' rows of cache (None: none); the other rows are projected here. Returns
+        (out [T, D], cache [S0+T, R], kv [S0+T, H*(nope+Vd)]). Same ops as `forward`."""
+        cfg, lin = self.cfg, OPS.linear
+        h, nope = cfg.num_heads, cfg.qk_nope_head_dim
+        start = cache.shape[0]
+        rows = torch.cat([cache, self.cache_rows(x).to(cache.dtype)], 0)
+        have = 0 if kv is None else kv.shape[0]
+        new_kv = self.project(rows[have:])
+        kv = new_kv if kv is None else torch.cat([kv.to(new_kv.dtype), new_kv], 0)
+        q_pos = torch.arange(start, start + x.shape[0], device=x.device)
+        q = self.queries(x)
+        if OPS.mla_absorbed is not None:        # a kernel toggle owns attention: give it rows
+            o = OPS.mla_absorbed(self, q, rows, q_pos)
+        else:
+            kv3 = kv.view(rows.shape[0], h, nope + cfg.v_head_dim)
+            k_rope = rows[:, cfg.kv_lora_rank:].unsqueeze(1).expand(-1, h, -1)
+            k, v = torch.cat([kv3[..., :nope], k_rope], -1), kv3[..., nope:]
+            attn = OPS.mla_attention or blocked_attention
+            o = attn(q, k, v, q_pos, cfg.qk_head_dim ** -0.5)
+        if cfg.mla_output_gate:
+            o = o * sigmoid(lin(x, self.g_proj.weight).float()).view_as(o)
+        return lin(o.reshape(x.shape[0], -1).to(x.dtype), self.o_proj.weight), rows, kv

@@ -41,10 +41,15 @@ class RequestState:
     num_tokens: int = 0
     kda: dict[int, KDAState] = field(default_factory=dict)
     mla: dict[int, torch.Tensor] = field(default_factory=dict)    # [S, R] rows per layer
+    # Projected K/V cache (the engine's projected_kv_cache): kv_b_proj output
+    # [S', H*(nope+Vd)] for the first S' <= S rows per MLA layer. None = the reference:
+    # decompress every row on every call. Rows it lacks are projected on the next call.
+    mla_kv: dict[int, torch.Tensor] | None = None
 
     def clone(self) -> "RequestState":
+        kv = None if self.mla_kv is None else {i: t.clone() for i, t in self.mla_kv.items()}
         return RequestState(self.num_tokens, {i: s.clone() for i, s in self.kda.items()},
-                            {i: r.clone() for i, r in self.mla.items()})
+                            {i: r.clone() for i, r in self.mla.items()}, kv)
 
 
 class Norm(nn.Module):
@@ -175,6 +180,10 @@ class K3Model(nn.Module):
         for (a, b), st in zip(seg.bounds, seg.states):
             if layer.kind == KDA:
                 outs.append(layer.self_attn(x[a:b], st.kda[layer.index]))
+            elif st.mla_kv is not None:
+                out, st.mla[layer.index], st.mla_kv[layer.index] = layer.self_attn.forward_projected(
+                    x[a:b], st.mla[layer.index], st.mla_kv.get(layer.index))
+                outs.append(out)
             else:
                 out, st.mla[layer.index] = layer.self_attn(x[a:b], st.mla[layer.index])
                 outs.append(out)

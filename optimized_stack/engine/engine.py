@@ -1,0 +1,244 @@
+"""The engine: requests in, tokens out, one scheduler step at a time.
+
+    eng = Engine(model, EngineOptions(...), observers=[...])
+    rid = eng.add_request(prompt_ids, SamplingParams(max_new_tokens=16))
+    eng.step()                  # one scheduler step -> [StepOutput]
+    results = eng.run()         # until every request finished -> {rid: RequestResult}
+
+With every option off this is the reference path: one request at a time in arrival order,
+whole-prompt prefill in one forward, then one token per step, no cache reuse. Every
+option only changes *which rows are computed when* and *where state is kept*; rows are
+always computed by the model's row-stable ops and state is only ever copied, so each
+option is exact by construction (and the verifier checks it, through the observers).
+
+A step runs the scheduled chunks in rounds: round r runs the r-th piece of every
+request's chunk in one `forward_batch` (a chunk is cut into pieces only where the prefix
+cache takes a KDA checkpoint, because the model hands back state at the end of a call).
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+
+import torch
+
+from ..errors import K3Error
+from ..model.kda import KDAState
+from ..model.model import K3Model
+from .metrics import EngineMetrics, PrefixTrie
+from .options import EngineOptions, RequestResult, SamplingParams, StepOutput
+from .sampler import Sampler
+from .scheduler import Request, Scheduler
+from .spec import Speculator
+from .store import PagedStore, PlainStore
+
+
+class EngineObserver:
+    """Hook points for probes (the verifier subclasses this; the engine never imports it).
+    Tensors handed over are owned by the observer (copies), except `rows` which the engine
+    never modifies afterwards."""
+
+    def on_logits(self, request_id: str, start_pos: int, rows: torch.Tensor) -> None:
+        """rows [n, V] fp32 for positions start_pos .. start_pos+n-1 (row p predicts p+1)."""
+
+    def on_kda_state(self, request_id: str, num_tokens: int, layer: int, kda_state: KDAState) -> None:
+        """The state of one KDA layer after the request consumed num_tokens tokens."""
+
+    def on_finish(self, request_id: str, result: RequestResult, mla_rows: dict[int, torch.Tensor]) -> None:
+        """The request's MLA cache rows [S, R] per layer at the end."""
+
+    def on_step(self, step_index: int, scheduled: list[tuple[str, int]]) -> None:
+        """What one step ran: (request_id, tokens computed)."""
+
+
+class Engine:
+    def __init__(self, model: K3Model, opts: EngineOptions | None = None,
+                 observers: list[EngineObserver] | tuple[EngineObserver, ...] = ()):
+        self.model = model
+        self.opts = opts if opts is not None else EngineOptions()
+        if not isinstance(self.opts, EngineOptions):
+            raise K3Error(f"Engine: expected EngineOptions, got {type(self.opts).__name__}")
+        self.observers = list(observers)
+        self.store = PagedStore(model, self.opts) if self.opts.paged else PlainStore(model, self.opts)
+        self.scheduler = Scheduler(self.opts, self.store)
+        self.metrics = EngineMetrics(cache_capacity_tokens=self.store.capacity_tokens())
+        self.results: dict[str, RequestResult] = {}
+        self.step_index = 0
+        self._future: list[Request] = []                   # not yet arrived
+        self._requests: dict[str, Request] = {}
+        self._order = itertools.count()
+        self._trie = PrefixTrie()
+        self._eos = model.config.eos_token_id
+        # speculative decoding (spec.py): drafts verified in the decode forward, KDA rolled back
+        self.spec = Speculator(model, self.opts) if self.opts.speculative else None
+        self._emitted: dict[Request, list[int]] = {}       # tokens a verification emitted this step
+
+    # ---- requests ---------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_step: int = 0) -> str:
+        params = params if params is not None else SamplingParams()
+        ids = [int(t) for t in prompt_ids]
+        vocab = self.model.config.vocab_size
+        if not ids:
+            raise K3Error("add_request: expected at least one prompt token, got none")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise K3Error(f"add_request: expected token ids in 0..{vocab - 1}, got {bad[0]}")
+        if not isinstance(arrival_step, int) or arrival_step < 0:
+            raise K3Error(f"add_request: expected arrival_step >= 0, got {arrival_step!r}")
+        order = next(self._order)
+        rid = request_id if request_id is not None else f"req-{order}"
+        if rid in self._requests:
+            raise K3Error(f"add_request: request id {rid!r} is already in use")
+        need = len(ids) + params.max_new_tokens - 1
+        if isinstance(self.store, PagedStore) and not self.store.fits(need):
+            raise K3Error(f"add_request: the request needs {need} tokens of MLA cache, the device "
+                          f"pool holds {self.store.capacity_tokens()}")
+        req = Request(rid, ids, params, arrival_step, order, Sampler(params), tokens=list(ids))
+        self._requests[rid] = req
+        self._future.append(req)
+        return rid
+
+    def has_unfinished(self) -> bool:
+        return bool(self._future or self.scheduler.waiting or self.scheduler.running)
+
+    # ---- stepping ---------------------------------------------------------------------
+    def run(self, max_steps: int | None = None) -> dict[str, RequestResult]:
+        n = 0
+        while self.has_unfinished():
+            if max_steps is not None and n >= max_steps:
+                raise K3Error(f"run: requests still unfinished after max_steps={max_steps}")
+            self.step()
+            n += 1
+        return dict(self.results)
+
+    def step(self) -> list[StepOutput]:
+        sched = self.scheduler
+        if not sched.waiting and not sched.running and self._future:
+            # idle: jump the clock to the next arrival instead of simulating empty steps
+            self.step_index = max(self.step_index, min(r.arrival_step for r in self._future))
+        for req in [r for r in self._future if r.arrival_step <= self.step_index]:
+            self._future.remove(req)
+            sched.enqueue(req)
+        if self.spec is not None:
+            self.spec.propose(sched.running + sched.waiting)
+        plan = sched.schedule()
+        self._count_admissions(plan)
+        for obs in self.observers:
+            obs.on_step(self.step_index, [(r.request_id, n) for r, n in plan])
+        last_rows = self._run_plan(plan)
+        outputs = [self._after_step(req, n, last_rows[req]) for req, n in plan]
+        self.metrics.steps += 1
+        self.metrics.preemptions = sched.preemptions
+        if isinstance(self.store, PagedStore):
+            self.metrics.evictions = self.store.evictions
+            self.metrics.restores = self.store.restores
+            self.metrics.checkpoints_saved = self.store.checkpoints_saved
+            self.metrics.swap_ins = self.store.swap_ins
+        self.step_index += 1
+        return outputs
+
+    def _count_admissions(self, plan: list[tuple[Request, int]]) -> None:
+        for req, _ in plan:
+            if req.admitted_once:
+                continue
+            req.admitted_once = True
+            m = self.metrics
+            m.prompt_tokens += len(req.prompt)
+            m.reusable_tokens += min(self._trie.longest_prefix(req.prompt), len(req.prompt) - 1)
+            m.prefix_hit_tokens += req.num_computed
+            self._trie.insert(req.prompt)
+
+    def _run_plan(self, plan: list[tuple[Request, int]]) -> dict[Request, torch.Tensor]:
+        pieces: dict[Request, list[tuple[int, int]]] = {}
+        for req, n in plan:
+            start, end = req.num_computed, req.num_computed + n
+            assert not req.draft or n == 1 + len(req.draft), "a verification runs 1 + drafts tokens"
+            # a verification never stops at a checkpoint: its tokens are not accepted yet
+            split = isinstance(self.store, PagedStore) and not req.draft
+            cuts = [start] + (self.store.split_points(req, start, end) if split else []) + [end]
+            pieces[req] = list(zip(cuts[:-1], cuts[1:]))
+            if ("mut_chunk_resets_conv" in self.opts.faults and start > 0 and n > 1
+                    and start < len(req.prompt)):
+                self.store.zero_conv(req)
+        last: dict[Request, torch.Tensor] = {}
+        rounds = max((len(p) for p in pieces.values()), default=0)
+        for r in range(rounds):
+            batch = [(req, p[r]) for req, p in pieces.items() if r < len(p)]
+            states = [self.store.state_for(req) for req, _ in batch]
+            ids = [torch.tensor((req.tokens + req.draft)[a:b], dtype=torch.long) for req, (a, b) in batch]
+            recording = (self.spec.recording([(req, st) for (req, _), st in zip(batch, states)])
+                         if self.spec is not None else contextlib.nullcontext({}))
+            with recording as records:
+                outs = self.model.forward_batch(list(zip(ids, states)))
+            for (req, (a, b)), st, rows in zip(batch, states, outs):
+                self.metrics.tokens_computed += b - a
+                if req in records:
+                    rows, b = self._verify(req, st, rows, records[req], a)
+                self.store.commit(req, st, a, b)
+                self.metrics.tokens_recomputed += max(0, min(b, req.max_computed) - a)
+                req.max_computed = max(req.max_computed, b)
+                for obs in self.observers:
+                    obs.on_logits(req.request_id, a, rows)
+                last[req] = rows[-1]
+                if req.skip_generated and req.num_computed >= len(req.prompt):
+                    req.num_computed = len(req.tokens) - 1          # the seeded fault's jump
+                    req.skip_generated = False
+        return last
+
+    def _verify(self, req: Request, st, rows: torch.Tensor, record, start: int) -> tuple[torch.Tensor, int]:
+        """Greedy acceptance of req.draft; the emitted tokens are appended (before the commit,
+        which hashes req.tokens for the prefix cache) and the KDA state rolled back to the
+        verified tokens kept. Returns the logits rows of the kept positions and the new end."""
+        assert self.spec is not None
+        kept = self._take_tokens(req, self.spec.accept(req, rows))
+        self.spec.rollback(req, st, record, kept)
+        self._emitted[req] = req.tokens[-kept:]
+        req.draft = []
+        return rows[:kept], start + kept
+
+    def _take_tokens(self, req: Request, tokens: list[int]) -> int:
+        """Append tokens until one finishes the request; returns how many were appended."""
+        p = req.params
+        for i, tok in enumerate(tokens):
+            req.tokens.append(tok)
+            self.metrics.generated_tokens += 1
+            if tok in p.stop_ids or (not p.ignore_eos and tok == self._eos):
+                req.finish_reason = "stop"
+            elif len(req.generated) >= p.max_new_tokens:
+                req.finish_reason = "length"
+            if req.finish_reason is not None:
+                return i + 1
+        return len(tokens)
+
+    def _after_step(self, req: Request, n: int, last_row: torch.Tensor) -> StepOutput:
+        new_token = None
+        emitted = self._emitted.pop(req, None)
+        if emitted is not None:
+            new_token = emitted[-1]
+        elif req.num_computed == len(req.tokens):
+            new_token = req.sampler.sample(last_row)
+            self._take_tokens(req, [new_token])
+        if self.observers:
+            for layer, st in self.store.kda_states(req).items():
+                snap = st.clone()
+                for obs in self.observers:
+                    obs.on_kda_state(req.request_id, req.num_computed, layer, snap)
+        done = req.finish_reason is not None
+        if done:
+            self._finish(req)
+        return StepOutput(req.request_id, n, req.num_computed, new_token, done, req.finish_reason,
+                          tuple(emitted) if emitted is not None else (() if new_token is None else (new_token,)))
+
+    def _finish(self, req: Request) -> None:
+        assert req.finish_reason is not None
+        result = RequestResult(list(req.prompt), list(req.generated), req.finish_reason)
+        self.results[req.request_id] = result
+        if self.observers:
+            rows = {i: t.clone() for i, t in self.store.mla_rows(req).items()}
+            for obs in self.observers:
+                obs.on_finish(req.request_id, result, rows)
+        self._trie.insert(req.tokens[:req.num_computed])
+        self.store.finish(req)
+        self.scheduler.finish(req)
+        self.metrics.requests_finished += 1

@@ -1,0 +1,171 @@
+"""Engine and sampling options, validated on construction; results handed back per request.
+
+Every optimization is an EngineOptions flag that defaults to off; with all of them off the
+engine is the reference path. Seeded faults (mutants, negative controls for the verifier)
+live apart in `faults` so that no optimization flag can switch one on by accident.
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from ..errors import K3Error
+
+PREEMPT_MODES = ("recompute", "swap")
+SPEC_STRATEGIES = ("copy_states", "replay_ssm")     # KDA rollback after verification (spec.py)
+DRAFTERS = ("ngram",)
+
+# Seeded faults an EngineOptions may carry (each is registered as a mutant toggle).
+FAULTS = {
+    "mut_chunk_resets_conv": "a prefill chunk after the first starts with zeroed conv windows",
+    "mut_restore_skips_conv": "a prefix hit restores the recurrent state but leaves the conv windows zero",
+    "mut_ckpt_one_late": "the checkpoint saved for token n holds the state after n+1",
+    "mut_tail_one_short": "the MLA tail stored with a checkpoint is one row short",
+    "mut_projected_kv_bf16": "projected K/V rows are stored rounded through bf16",
+    "mut_stale_block_after_evict": "a block restored from the host tier keeps the device block's stale rows",
+    "mut_preempt_loses_conv": "swap-in after preemption restores the recurrent state but not the conv windows",
+    "mut_recompute_skips_generated": "recompute after preemption re-prefills the prompt and skips the generated tokens",
+    "mut_spec_gate_recompute": "speculative replay recomputes the gate from the layer (plain GEMM) instead of reusing it",
+    "mut_spec_conv_not_compacted": "after a rejection the conv windows keep the rejected draft tokens",
+    "mut_spec_accept_off_by_one": "greedy acceptance also keeps the first rejected draft token",
+    "mut_spec_replay_closed_form": "speculative replay uses the closed-form decayed sum, not the sequential recurrence",
+}
+
+# option -> the option it needs (one line errors name both)
+REQUIRES = {
+    "prefix_cache_subblock": "prefix_cache",
+    "ckpt_with_mla_tail": "prefix_cache_subblock",
+    "host_kv_tier": "prefix_cache",
+    "preemption": "continuous_batching",
+    "speculative": "continuous_batching",
+}
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    continuous_batching: bool = False
+    chunked_prefill: bool = False
+    token_budget: int = 256                 # tokens per step (prefill chunks + decodes)
+    max_num_seqs: int = 8                   # running requests at once (continuous batching)
+    prefix_cache: bool = False
+    prefix_cache_subblock: bool = False
+    ckpt_with_mla_tail: bool = False
+    projected_kv_cache: bool = False
+    host_kv_tier: bool = False
+    preemption: bool = False
+    preempt_mode: str = "recompute"
+    block_size: int = 64                    # tokens per MLA cache block (and per hash)
+    checkpoint_interval: int = 16           # tokens between sub-block KDA checkpoints
+    device_cache_tokens: int | None = None  # MLA pool capacity; None -> DEFAULT_DEVICE_TOKENS
+    host_cache_tokens: int | None = None    # host tier capacity; None -> unbounded
+    kda_pool_slots: int | None = None       # KDA state slots; None -> max_num_seqs (or 1)
+    # speculative decoding (spec.py): rollback strategy, drafts per step, drafter; greedy
+    # requests only. forced_acceptance (mean tokens emitted per step) is for timing only:
+    # it accepts drafts regardless of the target, so its output is NOT the greedy stream.
+    speculative: str | None = None
+    num_draft_tokens: int = 3
+    drafter: str = "ngram"
+    forced_acceptance: float | None = None
+    faults: frozenset[str] = field(default_factory=frozenset)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.type in ("bool",) and not isinstance(v, bool):
+                raise K3Error(f"engine option {f.name}: expected true/false, got {v!r}")
+        for name in ("token_budget", "max_num_seqs", "block_size", "checkpoint_interval", "num_draft_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise K3Error(f"engine option {name}: expected an integer >= 1, got {v!r}")
+        for name, low in (("device_cache_tokens", self.block_size), ("host_cache_tokens", 0),
+                          ("kda_pool_slots", 1)):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < low):
+                raise K3Error(f"engine option {name}: expected None or an integer >= {low}, got {v!r}")
+        if self.preempt_mode not in PREEMPT_MODES:
+            raise K3Error(f"engine option preempt_mode: expected one of {PREEMPT_MODES}, got {self.preempt_mode!r}")
+        if self.speculative is not None and self.speculative not in SPEC_STRATEGIES:
+            raise K3Error(f"engine option speculative: expected None or one of {SPEC_STRATEGIES}, "
+                          f"got {self.speculative!r}")
+        if self.drafter not in DRAFTERS:
+            raise K3Error(f"engine option drafter: expected one of {DRAFTERS}, got {self.drafter!r}")
+        fa = self.forced_acceptance
+        if fa is not None:
+            if isinstance(fa, bool) or not isinstance(fa, (int, float)) or not 1 <= fa <= self.num_draft_tokens + 1:
+                raise K3Error(f"engine option forced_acceptance: expected None or a number in "
+                              f"[1, num_draft_tokens + 1 = {self.num_draft_tokens + 1}], got {fa!r}")
+            if self.speculative is None:
+                raise K3Error("engine option forced_acceptance requires speculative, which is off")
+        if self.block_size % self.checkpoint_interval:
+            raise K3Error(f"engine option checkpoint_interval: expected a divisor of block_size "
+                          f"{self.block_size}, got {self.checkpoint_interval}")
+        if isinstance(self.faults, str):
+            raise K3Error(f"engine option faults: expected a set of fault names, got the string {self.faults!r}")
+        object.__setattr__(self, "faults", frozenset(self.faults))
+        for fault in sorted(self.faults):
+            if fault not in FAULTS:
+                close = difflib.get_close_matches(fault, list(FAULTS), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise K3Error(f"engine option faults: unknown fault {fault!r}{hint}")
+        for opt, needed in REQUIRES.items():
+            if getattr(self, opt) and not getattr(self, needed):
+                raise K3Error(f"engine option {opt} requires {needed}, which is off")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "EngineOptions":
+        """Build from a plain dict (e.g. a toggle's `engine` field); unknown keys are named."""
+        names = [f.name for f in fields(cls)]
+        for key in d:
+            if key not in names:
+                close = difflib.get_close_matches(key, names, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise K3Error(f"unknown engine option {key!r}{hint}")
+        return cls(**d)
+
+    @property
+    def paged(self) -> bool:
+        """Whether requests live in the paged MLA pool and the KDA state pool."""
+        return self.continuous_batching or self.prefix_cache or self.preemption
+
+    @property
+    def checkpoint_spacing(self) -> int:
+        return self.checkpoint_interval if self.prefix_cache_subblock else self.block_size
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 0.0               # 0 -> greedy (argmax, lowest id on ties)
+    seed: int | None = None                # per-request generator; None -> 0
+    stop_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise K3Error(f"max_new_tokens: expected an integer >= 1, got {self.max_new_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise K3Error(f"temperature: expected a number >= 0, got {self.temperature!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise K3Error(f"seed: expected an integer or None, got {self.seed!r}")
+        object.__setattr__(self, "stop_ids", tuple(int(t) for t in self.stop_ids))
+
+
+@dataclass
+class RequestResult:
+    prompt_ids: list[int]
+    tokens: list[int]                      # generated tokens (stop token included)
+    finish_reason: str                     # "stop" or "length"
+
+
+@dataclass
+class StepOutput:
+    """What one step did for one request."""
+
+    request_id: str
+    num_tokens: int                        # tokens computed this step
+    num_computed: int                      # tokens in the request's state after the step
+    new_token: int | None                  # token sampled this step (None: still prefilling)
+    finished: bool
+    finish_reason: str | None = None
+    new_tokens: tuple[int, ...] = ()       # every token emitted this step (speculation: several)

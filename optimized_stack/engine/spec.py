@@ -1,0 +1,284 @@
+"""Speculative decoding with exact KDA rollback: n-gram drafter, greedy verification and two
+rollback strategies.
+
+A decode step of a greedy request with drafts d_1..d_m runs [t_last, d_1..d_m] in one
+forward (m+1 rows). By row-stability row i is bit-identical to the row a one-token decode
+step would give after the same prefix, and the model's KDA state after the call equals the
+state after m+1 single steps. Greedy acceptance keeps d_1..d_j while each equals the argmax
+of the row before it, then emits the argmax of row j (the bonus). With e the number of
+tokens emitted (cut further at a stop token or max_new_tokens), the request's state must
+hold exactly the first e verified tokens: MLA rows e.. are simply never committed (the
+store writes rows [start, start+e) only), and the KDA state is rolled back:
+
+- copy_states: the recurrence keeps the state after every verified token (m+1 copies per
+  layer, as the vLLM-style baseline keeps per-draft state slots); pick copy e.
+- replay_ssm: one checkpoint (the state before the step: the pool slot, untouched until
+  commit) plus, per verified token, the (k, u, g) the recurrence used; rebuild by
+  replaying the first e tokens with the very same sequential update and the stored gates.
+Both compact the conv windows to the accepted tokens: the window after e tokens is rows
+e .. e+W-2 of [old window; pre-conv inputs of the verified tokens].
+
+Recording uses a forward pre-hook on each KDA layer (the segment's input and its state
+object, so the pre-conv projections can be recomputed: the same op on the same rows gives
+the same bits) and a swapped `kda_prefill` op that runs `kda_recurrent_trace` (the same
+arithmetic as the reference recurrence) for the segments being verified.
+
+Shape letters: T verified tokens (1 + drafts), H heads, K key dim, V value dim, C = H*K,
+W conv taps.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from ..config import KDA
+from ..model import ops
+from ..model.kda import KDATrace, kda_recurrent, kda_recurrent_trace, kda_replay
+from ..model.model import K3Model, RequestState
+from ..model.ops import OPS
+from .options import EngineOptions
+from .scheduler import Request
+
+
+class NgramDrafter:
+    """Prompt lookup: find the most recent earlier occurrence of the last n tokens
+    (n = max_n .. min_n) and propose the tokens that followed it. No model."""
+
+    def __init__(self, max_n: int = 3, min_n: int = 1):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"ngram sizes: expected 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.max_n, self.min_n = max_n, min_n
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        if k <= 0:
+            return []
+        for n in range(self.max_n, self.min_n - 1, -1):
+            if len(tokens) <= n:
+                continue
+            tail = tokens[-n:]
+            for start in range(len(tokens) - n - 1, -1, -1):     # most recent match first
+                if tokens[start:start + n] == tail:
+                    return tokens[start + n:start + n + k]
+        return []
+
+
+@dataclass
+class SpecStats:
+    verify_steps: int = 0            # request-steps that verified at least one draft
+    drafted: int = 0                 # draft tokens scored
+    accepted: int = 0                # draft tokens accepted (the bonus token not counted)
+    emitted: int = 0                 # tokens emitted by verification steps (accepted + bonus)
+
+    @property
+    def mean_accepted(self) -> float:
+        """Accepted draft tokens per verification step."""
+        return self.accepted / self.verify_steps if self.verify_steps else 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens emitted per verification step (accepted + bonus)."""
+        return self.emitted / self.verify_steps if self.verify_steps else 0.0
+
+
+@dataclass
+class _Layer:
+    """What one KDA layer recorded for one request during a verification forward."""
+
+    checkpoint: torch.Tensor                       # recurrent state before the step [H, K, V]
+    windows: tuple[torch.Tensor, ...]              # conv windows before the step, 3 x [W-1, C]
+    inputs: tuple[torch.Tensor, ...]               # pre-conv q, k, v projections, 3 x [T, C]
+    x: torch.Tensor | None = None                  # the layer input (gate-recompute mutant only)
+    trace: KDATrace | None = None
+    window_copies: tuple[torch.Tensor, ...] = ()   # copy_states: 3 x [T, W-1, C]
+
+
+@dataclass
+class Record:
+    layers: dict[int, _Layer] = field(default_factory=dict)
+
+
+class Speculator:
+    def __init__(self, model: K3Model, opts: EngineOptions):
+        assert opts.speculative is not None
+        self.model, self.opts = model, opts
+        self.strategy = opts.speculative
+        self.k = opts.num_draft_tokens
+        self.faults = opts.faults
+        self.drafter = NgramDrafter()
+        self.stats = SpecStats()
+        self.kda_layers = {layer.index: layer.self_attn for layer in model.model.layers if layer.kind == KDA}
+        self._credit: dict[str, float] = {}        # forced acceptance: fractional tokens owed
+
+    # ---- drafting ---------------------------------------------------------------------
+    def propose(self, requests: list[Request]) -> None:
+        """Set req.draft for every greedy request about to decode; clear it for the rest."""
+        for req in requests:
+            req.draft = self._draft(req) if self._eligible(req) else []
+
+    @staticmethod
+    def _eligible(req: Request) -> bool:
+        return (req.status == "running" and req.pending == 1 and not req.skip_generated
+                and req.params.temperature == 0)
+
+    def _draft(self, req: Request) -> list[int]:
+        # never verify past max_new_tokens: a step emits at most len(draft) + 1 tokens
+        room = req.params.max_new_tokens - len(req.generated) - 1
+        k = min(self.k, room)
+        if k <= 0:
+            return []
+        draft = self.drafter.propose(req.tokens, k)
+        if self.opts.forced_acceptance is not None:
+            # timing mode: always score k drafts (the filler only has to be a valid id)
+            draft = draft + [req.tokens[-1]] * (k - len(draft))
+        return draft
+
+    # ---- recording ----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def recording(self, batch: list[tuple[Request, RequestState]]) -> Iterator[dict[Request, Record]]:
+        """During one forward_batch: record, for every segment whose request verifies drafts,
+        each KDA layer's checkpoint, conv inputs and recurrence trace."""
+        owner = {id(kst): (req, layer) for req, st in batch if req.draft for layer, kst in st.kda.items()}
+        records: dict[Request, Record] = {req: Record() for req, _ in batch if req.draft}
+        if not records:
+            yield records
+            return
+        keep_states = self.strategy == "copy_states"
+        keep_x = "mut_spec_gate_recompute" in self.faults
+        current: list[_Layer | None] = [None]
+        passthrough = OPS.kda_prefill or kda_recurrent
+
+        def pre_hook(module, args):
+            x, kst = args
+            current[0] = None
+            hit = owner.get(id(kst))
+            if hit is None:
+                return
+            req, layer = hit
+            lin = OPS.linear          # the same op and rows as KDAttention.qkv: the same bits
+            inputs = tuple(lin(x, w) for w in (module.q_proj.weight, module.k_proj.weight, module.v_proj.weight))
+            rec = _Layer(kst.recurrent, (kst.conv_q, kst.conv_k, kst.conv_v), inputs, x if keep_x else None)
+            if keep_states:
+                rec.window_copies = tuple(_windows_after_each(w, i) for w, i in zip(rec.windows, inputs))
+            records[req].layers[layer] = rec
+            current[0] = rec
+
+        def scan(q, k, v, g, beta, state):
+            rec, current[0] = current[0], None
+            if rec is None:
+                return passthrough(q, k, v, g, beta, state)
+            o, final, rec.trace = kda_recurrent_trace(q, k, v, g, beta, state, keep_states=keep_states)
+            return o, final
+
+        handles = [m.register_forward_pre_hook(pre_hook) for m in self.kda_layers.values()]
+        try:
+            with ops.override(kda_prefill=scan):
+                yield records
+        finally:
+            for h in handles:
+                h.remove()
+
+    # ---- verification -------------------------------------------------------------------
+    def accept(self, req: Request, rows: torch.Tensor) -> list[int]:
+        """rows [1 + len(draft), V] -> the tokens this step emits (accepted drafts + bonus),
+        before any stop / length cut."""
+        draft = req.draft
+        target = [req.sampler.sample(rows[i]) for i in range(rows.shape[0])]
+        if self.opts.forced_acceptance is not None:
+            credit = self._credit.get(req.request_id, 0.0) + self.opts.forced_acceptance - 1
+            m = min(int(credit), len(draft))
+            self._credit[req.request_id] = credit - m
+        else:
+            m = 0
+            while m < len(draft) and draft[m] == target[m]:
+                m += 1
+            if "mut_spec_accept_off_by_one" in self.faults and m < len(draft):
+                m += 1                       # the first rejected draft is kept too
+        self.stats.verify_steps += 1
+        self.stats.drafted += len(draft)
+        self.stats.accepted += m
+        self.stats.emitted += m + 1
+        return draft[:m] + [target[m]]
+
+    def rollback(self, req: Request, st: RequestState, record: Record, kept: int) -> None:
+        """Leave in st.kda the state after the first `kept` verified tokens (1 <= kept <= T)."""
+        t_len = 1 + len(req.draft)
+        assert 1 <= kept <= t_len, f"rollback to {kept} of {t_len} verified tokens"
+        if kept == t_len:
+            return                              # everything verified was accepted: state is final
+        for layer, kst in st.kda.items():
+            rec = record.layers[layer]
+            assert rec.trace is not None, f"KDA layer {layer} ran without the recording scan"
+            if self.strategy == "copy_states":
+                assert rec.trace.states is not None
+                kst.recurrent = rec.trace.states[kept - 1]
+                windows = tuple(c[kept - 1] for c in rec.window_copies)
+            else:
+                kst.recurrent = self._replay(layer, rec, kept)
+                windows = tuple(_compact(w, i, kept) for w, i in zip(rec.windows, rec.inputs))
+            if "mut_spec_conv_not_compacted" not in self.faults:
+                kst.conv_q, kst.conv_k, kst.conv_v = windows
+
+    def _replay(self, layer: int, rec: _Layer, kept: int) -> torch.Tensor:
+        tr = rec.trace
+        assert tr is not None
+        k, u, g = tr.k[:kept], tr.u[:kept], tr.g[:kept]
+        if "mut_spec_gate_recompute" in self.faults:
+            # the seeded fault: recompute the gate from the layer input on torch's plain
+            # GEMM over the whole verify batch instead of reusing the stored values
+            assert rec.x is not None
+            with ops.override(linear=ops.plain_linear):
+                g, _ = self.kda_layers[layer].gates(rec.x)
+            g = g[:kept]
+        if "mut_spec_replay_closed_form" in self.faults:
+            return _closed_form(rec.checkpoint, k, u, g)
+        return kda_replay(rec.checkpoint, k, u, g)
+
+
+def _compact(window: torch.Tensor, inputs: torch.Tensor, kept: int) -> torch.Tensor:
+    """Conv window [W-1, C] after the first `kept` of the inputs [T, C] (causal_conv keeps
+    the last W-1 rows of [window; inputs])."""
+    taps_1 = window.shape[0]
+    xs = torch.cat([window.to(inputs.dtype), inputs], 0)           # [W-1+T, C]
+    return xs[kept:kept + taps_1].clone()
+
+
+def _windows_after_each(window: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+    """copy_states: the conv window after every verified token -> [T, W-1, C]."""
+    return torch.stack([_compact(window, inputs, t + 1) for t in range(inputs.shape[0])])
+
+
+def _closed_form(state: torch.Tensor, k: torch.Tensor, u: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """The mutant's replay: S_T = e^Γ_T S0 + sum_j (k_j e^(Γ_T - Γ_j)) u_j^T with Γ the
+    cumulative log-decay. Equal to the recurrence in exact arithmetic, not in fp32 bits."""
+    gam = g.float().cumsum(0)                                       # [T, H, K]
+    tail = torch.exp(gam[-1].unsqueeze(0) - gam)                    # [T, H, K]
+    return (torch.exp(gam[-1]).unsqueeze(-1) * state.float()
+            + torch.einsum("thk,thv->hkv", k * tail, u))
+
+
+def kda_state_bytes(num_layers: int, heads: int, head_dim: int, conv_taps: int, k: int | None,
+                    strategy: str | None) -> int:
+    """fp32 KDA bytes per request: the live state plus what the strategy keeps for a step
+    of k drafts (T = k + 1 verified tokens). Per layer: recurrent H*K*V, conv 3*(W-1)*H*K.
+    - None (no speculation): the live state.
+    - copy_states: T states (recurrent + conv windows), one per verified position; the
+      picked copy becomes the live state.
+    - replay_ssm: the live state, one checkpoint (recurrent + conv windows), and per
+      verified token k [H, K], u [H, V], g [H, K] and the 3 pre-conv inputs [C] each."""
+    c = heads * head_dim
+    state = heads * head_dim * head_dim + 3 * (conv_taps - 1) * c
+    if strategy is None:
+        per_layer = state
+    else:
+        assert k is not None
+        t = k + 1
+        if strategy == "copy_states":
+            per_layer = t * state
+        elif strategy == "replay_ssm":
+            per_layer = 2 * state + t * (3 * c + 3 * c)
+        else:
+            raise ValueError(f"strategy: expected None, 'copy_states' or 'replay_ssm', got {strategy!r}")
+    return 4 * num_layers * per_layer

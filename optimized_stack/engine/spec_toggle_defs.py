@@ -1,0 +1,46 @@
+"""Speculative decoding toggles (both exact) and their seeded faults (mutants).
+
+Both toggles run on continuous batching (the paged store keeps the pre-step KDA state in
+the pool slot until commit, which is the replay checkpoint). They apply to every scenario
+(a non-greedy request simply decodes without drafts) and are exercised by the "spec"
+scenarios: spec_repetitive (prompt-lookup drafts mostly accepted) and spec_random (mostly
+rejected). The forced-acceptance timing mode is deliberately not a toggle: its output is
+not the greedy stream, so it only exists as an engine option for benchmarks.
+"""
+from __future__ import annotations
+
+from ..toggles import EXACT, Toggle, register
+
+ALL = ("logits", "kda_state", "kda_conv", "mla_rows")
+NUM_DRAFT_TOKENS = 3
+CB = {"continuous_batching": True}
+COPY = {**CB, "speculative": "copy_states", "num_draft_tokens": NUM_DRAFT_TOKENS}
+REPLAY = {**CB, "speculative": "replay_ssm", "num_draft_tokens": NUM_DRAFT_TOKENS}
+
+
+def _opt(name: str, description: str, engine: dict) -> None:
+    register(Toggle(name=name, description=description, contract=EXACT, touches=ALL, engine=engine,
+                    requires=("continuous_batching",), exercised_by=("spec",)))
+
+
+def _mut(name: str, of: str, description: str, engine: dict, caught_by: tuple[str, ...], lives_in: str) -> None:
+    register(Toggle(name=name, description=description, contract=EXACT, touches=ALL, kind="mutant",
+                    engine={**engine, "faults": (name,)}, caught_by=caught_by, lives_in=lives_in,
+                    mutant_of=of, exercised_by=("spec",)))
+
+
+_opt("spec_copy_states", f"speculative decoding, {NUM_DRAFT_TOKENS} prompt-lookup drafts per step verified "
+     "in one forward; KDA rollback by keeping the state after every verified token", COPY)
+_opt("spec_replay_ssm", f"speculative decoding, {NUM_DRAFT_TOKENS} prompt-lookup drafts per step verified "
+     "in one forward; KDA rollback by replaying the accepted tokens' stored (k, u, g) from one checkpoint "
+     "(ReplaySSM)", REPLAY)
+
+_mut("mut_spec_gate_recompute", "spec_replay_ssm", "replay recomputes the gate from the layer input on "
+     "torch's plain GEMM instead of reusing the stored gate (outputs may survive, the state drifts)",
+     REPLAY, ("kda_state",), "kda/recurrent")
+_mut("mut_spec_conv_not_compacted", "spec_replay_ssm", "after a rejection the conv windows keep the "
+     "rejected draft tokens", REPLAY, ("kda_state",), "kda/conv")
+_mut("mut_spec_accept_off_by_one", "spec_copy_states", "greedy acceptance also keeps the first rejected "
+     "draft token", COPY, ("tokens",), "engine/spec")
+_mut("mut_spec_replay_closed_form", "spec_replay_ssm", "replay via the closed-form decayed sum "
+     "(cumulative gates) instead of the sequential recurrence", REPLAY, ("kda_state",), "kda/recurrent")

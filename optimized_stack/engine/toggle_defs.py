@@ -1,0 +1,82 @@
+"""The engine's toggles (all exact) and their seeded faults (mutants).
+
+Each toggle's `engine` dict is a set of EngineOptions fields, prerequisites included, so
+the options stand on their own even when a caller does not resolve `requires`.
+Capacities: host_kv_tier and preemption only do something under pressure, so they set a
+small device pool (DEVICE_TOKENS, for the k3-mini scenarios); a scenario can override it.
+"""
+from __future__ import annotations
+
+from ..model import ops
+from ..toggles import EXACT, Toggle, register
+
+ALL = ("logits", "kda_state", "kda_conv", "mla_rows")
+CHUNK_BUDGET = 100          # cuts prompts at non-multiples of the block and checkpoint sizes
+DEVICE_TOKENS = 1024
+
+PC = {"prefix_cache": True}
+SUB = {**PC, "prefix_cache_subblock": True}
+TAIL = {**SUB, "ckpt_with_mla_tail": True}
+HOST = {**PC, "host_kv_tier": True, "device_cache_tokens": DEVICE_TOKENS}
+CB = {"continuous_batching": True}
+PRE = {**CB, "preemption": True, "device_cache_tokens": DEVICE_TOKENS}
+CHUNK = {"chunked_prefill": True, "token_budget": CHUNK_BUDGET}
+
+
+# scenario tags (k3verify.workloads) that put each toggle's mechanism under load
+EXERCISED_BY = {
+    "continuous_batching": ("preemption",), "chunked_prefill": ("long", "boundaries"),
+    "prefix_cache": ("prefix",), "prefix_cache_subblock": ("prefix",), "ckpt_with_mla_tail": ("prefix",),
+    "projected_kv_cache": ("prefix",), "host_kv_tier": ("eviction",), "preemption": ("preemption",),
+}
+
+
+def _opt(name: str, description: str, engine: dict, requires: tuple[str, ...] = ()) -> None:
+    # every engine toggle can reach every tensor: an MLA layer's output feeds later KDA layers
+    register(Toggle(name=name, description=description, contract=EXACT, touches=ALL,
+                    engine=engine, requires=requires, exercised_by=EXERCISED_BY.get(name, ())))
+
+
+def _mut(name: str, of: str, description: str, engine: dict, caught_by: tuple[str, ...], lives_in: str,
+         patch=None) -> None:
+    faults = {"faults": (name,)} if patch is None else {}
+    register(Toggle(name=name, description=description, contract=EXACT, touches=ALL, kind="mutant",
+                    engine={**engine, **faults}, patch=patch, caught_by=caught_by, lives_in=lives_in,
+                    mutant_of=of, exercised_by=EXERCISED_BY.get(of, ())))
+
+
+_opt("continuous_batching", "many requests per step (prefill chunks and decodes in one forward) "
+     "on row-stable ops, paged MLA cache and KDA state pool", CB)
+_opt("chunked_prefill", f"prompts split across steps under a token budget ({CHUNK_BUDGET})", CHUNK)
+_opt("prefix_cache", "block-hashed reuse of MLA rows plus KDA checkpoints at block boundaries "
+     "(vLLM align mode)", PC)
+_opt("prefix_cache_subblock", "KDA checkpoints every checkpoint_interval tokens and at request end, "
+     "usable where the MLA rows up to that token are cached", SUB, ("prefix_cache",))
+_opt("ckpt_with_mla_tail", "the partial block's MLA rows stored with each KDA checkpoint so forks "
+     "hit inside blocks", TAIL, ("prefix_cache_subblock",))
+_opt("projected_kv_cache", "kv_b_proj output kept per cached row so reused rows skip the decompression",
+     {"projected_kv_cache": True})
+_opt("host_kv_tier", f"LRU eviction of MLA blocks and KDA checkpoints to a host tier under a "
+     f"{DEVICE_TOKENS}-token device pool, restored on a hit", HOST, ("prefix_cache",))
+_opt("preemption", f"preempt the newest running request when the {DEVICE_TOKENS}-token MLA pool "
+     "runs out; resume by recompute", PRE, ("continuous_batching",))
+
+_mut("mut_batch_plain_linear", "continuous_batching", "continuous batching on torch's plain GEMM "
+     "(a row's bits depend on the batch)", CB, ("logits",), "ops/linear",
+     patch=lambda: ops.override(linear=ops.plain_linear))
+_mut("mut_chunk_resets_conv", "chunked_prefill", "a prefill chunk after the first starts from zeroed "
+     "conv windows", CHUNK, ("kda_state", "logits"), "kda/conv")
+_mut("mut_restore_skips_conv", "prefix_cache", "a prefix hit restores the recurrent state but leaves "
+     "the conv windows zero", PC, ("kda_state", "logits"), "kda/conv")
+_mut("mut_ckpt_one_late", "prefix_cache_subblock", "the checkpoint saved for token n holds the state "
+     "after n+1", SUB, ("kda_state", "logits"), "kda/recurrent")
+_mut("mut_tail_one_short", "ckpt_with_mla_tail", "the MLA tail stored with a checkpoint is one row "
+     "short (the last row comes from whatever the block held)", TAIL, ("logits", "mla_rows"), "mla/cache")
+_mut("mut_projected_kv_bf16", "projected_kv_cache", "projected K/V rows stored rounded through bf16",
+     {"projected_kv_cache": True}, ("logits",), "mla/attention")
+_mut("mut_stale_block_after_evict", "host_kv_tier", "a block restored from the host tier keeps the "
+     "device block's stale rows", HOST, ("logits", "mla_rows"), "mla/cache")
+_mut("mut_preempt_loses_conv", "preemption", "swap-in after preemption restores the recurrent state "
+     "but not the conv windows", {**PRE, "preempt_mode": "swap"}, ("kda_state", "logits"), "kda/conv")
+_mut("mut_recompute_skips_generated", "preemption", "recompute after preemption re-prefills the prompt "
+     "and skips the generated tokens", PRE, ("kda_state", "logits"), "kda/recurrent")
