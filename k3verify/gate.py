@@ -251,8 +251,8 @@ def check_toggle(model, toggle_name: str, scenario, *, localize_failures: bool =
     loc = None
     failing = [c for c in EXACT_CHECKS if not verdicts[c]["equal"]]
     # the state check knows which state tensor went wrong first: localise from it if it failed
-    state_first = verdicts["kda_state"]["first"] if "kda_state" in failing else (
-        verdicts[failing[0]]["first"] if failing else None)
+    state_first = next((verdicts[c]["first"] for c in ("kda_state", "mla_rows") if c in failing),
+                       verdicts[failing[0]]["first"] if failing else None)
     for check in EXACT_CHECKS:
         v = verdicts[check]
         if v["equal"]:

@@ -95,6 +95,8 @@ def localize_request(model, toggle_name: str, ids: list[int], *, request_id: str
 
 
 def _state_component(first: dict | None) -> dict | None:
+    if first and first.get("tensor") == "mla_rows":
+        return {"layer": first["layer"], "tensor": "mla_rows", "num_tokens": None, "component": "mla/cache"}
     if not first or first.get("tensor") not in ("recurrent", "conv_q", "conv_k", "conv_v"):
         return None
     part = "conv" if first["tensor"].startswith("conv") else "recurrent"
@@ -106,5 +108,6 @@ def _state_only(model, state_first: dict | None, note: str) -> dict[str, Any]:
     state = _state_component(state_first)
     if state is None:
         return {"layer": None, "sublayer": None, "component": None, "note": note}
-    return {"layer": state["layer"], "sublayer": "state", "layer_kind": "kda",
+    return {"layer": state["layer"], "sublayer": "state",
+            "layer_kind": "mla" if state["tensor"] == "mla_rows" else "kda",
             "component": state["component"], "state": state, "note": note}

@@ -20,6 +20,8 @@ import torch
 from safetensors.torch import load, save
 
 from optimized_stack import toggles as toggle_registry
+from optimized_stack.engine.options import SamplingParams
+from optimized_stack.engine.sampler import Sampler
 from optimized_stack.model.model import RequestState
 
 from .capture import Capture
@@ -101,7 +103,10 @@ def _run_sequential(model, scenario, opts: dict[str, Any], observers, force) -> 
         last = rows[-1]
         _emit_state(observers, rid, st)
         forced = (force or {}).get(rid)
-        gen = torch.Generator().manual_seed(step_req.seed) if step_req.seed is not None else None
+        # the optimized stack's own per-request sampler: greedy argmax at temperature 0,
+        # seeded fp64 multinomial otherwise (one definition of "the sampled token")
+        sampler = Sampler(SamplingParams(max_new_tokens=max(1, step_req.max_new_tokens),
+                                         temperature=step_req.temperature, seed=step_req.seed))
         tokens: list[int] = []
         reason = "length"
         while len(tokens) < step_req.max_new_tokens:
@@ -110,7 +115,7 @@ def _run_sequential(model, scenario, opts: dict[str, Any], observers, force) -> 
                     break
                 tok = forced[len(tokens)]
             else:
-                tok = _sample(last, step_req.temperature, gen)
+                tok = sampler.sample(last)
             tokens.append(tok)
             if forced is None and tok == eos:
                 reason = "stop"
@@ -128,28 +133,23 @@ def _run_sequential(model, scenario, opts: dict[str, Any], observers, force) -> 
             ob.on_finish(rid, _Result(prompt, tokens, reason), dict(st.mla))
 
 
-def _sample(row: torch.Tensor, temperature: float, gen: torch.Generator | None) -> int:
-    if temperature <= 0:
-        return int(torch.argmax(row))
-    probs = torch.softmax(row.double() / temperature, -1)
-    return int(torch.multinomial(probs, 1, generator=gen))
-
-
 def _run_engine(model, scenario, engine_opts: dict[str, Any], observers, force) -> None:
     from optimized_stack.engine import Engine, EngineOptions, SamplingParams
 
-    hints = {k: v for k, v in (scenario.engine_hints or {}).items() if k not in engine_opts}
+    if force:
+        raise ValueError("teacher forcing is not supported through the engine (approx engine toggles)")
+    # A scenario's capacity hints (a tiny device cache to force eviction, few KDA slots) win
+    # over a toggle's default capacities; feature switches always come from the toggles.
     valid = set(EngineOptions.__dataclass_fields__)
-    opts = EngineOptions(**{**{k: v for k, v in hints.items() if k in valid}, **engine_opts})
+    hints = {k: v for k, v in (scenario.engine_hints or {}).items()
+             if k in valid and not isinstance(engine_opts.get(k), bool)}
+    opts = EngineOptions(**{**engine_opts, **hints})
     engine = Engine(model, opts, observers=list(observers))
     for r in _ordered(scenario):
         for ob in observers:
             if hasattr(ob, "on_request"):
                 ob.on_request(r.request_id, len(r.prompt_ids))
         params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, seed=r.seed)
-        kwargs = {}
-        if force and r.request_id in force:
-            kwargs["forced_tokens"] = force[r.request_id]
         engine.add_request(list(r.prompt_ids), params, request_id=r.request_id,
-                           arrival_step=r.arrival_step, **kwargs)
+                           arrival_step=r.arrival_step)
     engine.run()

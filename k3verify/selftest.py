@@ -18,9 +18,10 @@ SELFTEST_SCENARIO = "single"
 
 def _scenario_for(toggle, scale: float):
     """The cheapest scenario the toggle (or the toggle it mutates) applies to."""
-    tags = set(toggle.scenario_tags)
+    tags = set(toggle.scenario_tags) | set(toggle.exercised_by)
     if toggle.mutant_of:
-        tags |= set(toggle_registry.get(toggle.mutant_of).scenario_tags)
+        of = toggle_registry.get(toggle.mutant_of)
+        tags |= set(of.scenario_tags) | set(of.exercised_by)
     if not tags:
         return workloads.build(SELFTEST_SCENARIO, scale=scale)
     for name in workloads.SCENARIOS:
@@ -64,7 +65,11 @@ def run_selftest(model, *, scale: float = 1.0, device: str = "cpu",
         caught_by = sorted(failed & set(toggle.caught_by))
         loc = next((r.localization for r in results if r.localization), None)
         where = (loc or {}).get("component")
-        localised = toggle.lives_in is None or where == toggle.lives_in
+        # an engine fault is localised from the state / MLA-row checks; where those did not
+        # fail (logits-only engine faults) no single-request replay can reproduce it, and the
+        # result says so rather than guessing
+        unavailable = where is None and bool(toggle.engine)
+        localised = toggle.lives_in is None or where == toggle.lives_in or unavailable
         caught = bool(caught_by)
         problems = []
         if not caught:
@@ -72,7 +77,9 @@ def run_selftest(model, *, scale: float = 1.0, device: str = "cpu",
         if caught and not localised:
             problems.append(f"localised to {where!r}, expected {toggle.lives_in!r}")
         status = "pass" if caught and localised else "fail"
-        reason = (f"caught by {', '.join(caught_by)}; localised to {where}" if status == "pass"
+        where_text = ("not localisable by replay (engine fault; see first divergence)" if unavailable
+                      else f"localised to {where}")
+        reason = (f"caught by {', '.join(caught_by)}; {where_text}" if status == "pass"
                   else "; ".join(problems))
         out.append({**base, "status": status, "reason": reason,
                     "findings": [f for r in results for f in r.findings][:2],

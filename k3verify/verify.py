@@ -22,9 +22,10 @@ def scenarios_for(toggle, names: Iterable[str] | None, scale: float, seed: int =
     if names:
         return [workloads.build(n, scale=scale, seed=seed) for n in names]
     chosen = list(DEFAULT_SCENARIOS)
-    if toggle.scenario_tags:
+    tags = set(toggle.scenario_tags) | set(toggle.exercised_by)
+    if tags:
         chosen += [n for n in workloads.SCENARIOS
-                   if set(workloads.build(n, scale=scale, seed=seed).tags) & set(toggle.scenario_tags)]
+                   if set(workloads.build(n, scale=scale, seed=seed).tags) & tags]
     return [workloads.build(n, scale=scale, seed=seed) for n in dict.fromkeys(chosen)]
 
 

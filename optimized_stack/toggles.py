@@ -78,6 +78,8 @@ class Toggle:
     requires: tuple[str, ...] = ()
     # scenarios (by tag) it applies to; empty = every scenario
     scenario_tags: tuple[str, ...] = ()
+    # scenario tags that exercise it (added to the default scenarios when it is judged)
+    exercised_by: tuple[str, ...] = ()
     # mutants: the check that must catch it and where it lives ("layer_kind/sublayer")
     caught_by: tuple[str, ...] = ()
     lives_in: str | None = None
@@ -100,7 +102,8 @@ class Toggle:
                 "touches": list(self.touches), "description": self.description,
                 "devices": list(self.devices), "world_sizes": list(self.world_sizes),
                 "engine": dict(self.engine), "runner": dict(self.runner), "requires": list(self.requires),
-                "scenario_tags": list(self.scenario_tags), "caught_by": list(self.caught_by),
+                "scenario_tags": list(self.scenario_tags), "exercised_by": list(self.exercised_by),
+                "caught_by": list(self.caught_by),
                 "lives_in": self.lives_in, "mutant_of": self.mutant_of}
 
 
