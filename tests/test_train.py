@@ -1,0 +1,153 @@
+"""optimized_stack.train on the CPU: the batched training forward is the reference model's
+math, a few AdamW steps lower the loss, and the saved checkpoint loads and runs."""
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from optimized_stack import load_model
+from optimized_stack import train as tr
+from optimized_stack.checkpoint import save_checkpoint
+from optimized_stack.kernels import gpu_train_ops as gops
+from optimized_stack.model.ops import override, plain_linear
+from optimized_stack.presets import init_model, preset_config
+from optimized_stack.tokenizer import ByteTokenizer
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # the dev box has 2 cores shared with other jobs; one thread is faster and steadier here
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _tiny_cfg():
+    """k3-mini's shape at a quarter of the width: same layer kinds, MoE, AttnRes."""
+    return dataclasses.replace(preset_config("k3-mini"), hidden_size=32, num_layers=4,
+                               layer_kinds=("kda", "kda", "kda", "mla"), intermediate_size=32,
+                               moe_intermediate_size=16, routed_expert_hidden_size=16,
+                               attn_res_block_size=2)
+
+
+def _model(seed=0, cfg=None):
+    m = init_model(cfg or preset_config("k3-mini"), seed=seed)
+    with torch.no_grad():   # non-uniform AttnRes mixing, so the walk is really exercised
+        for name, p in m.named_parameters():
+            if name.endswith("_res_proj.weight"):
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.3)
+    return m
+
+
+def _rel(a, b):
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.mark.parametrize("kda", ["chunk", "recurrent"])
+def test_train_forward_matches_reference_logits(kda):
+    m = _model(3)
+    ids = torch.randint(0, 256, (2, 90), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), override(linear=plain_linear):
+        logits = tr.train_forward(m, ids, tr.SeqOps("cpu", kda))
+    for row in range(2):
+        assert _rel(logits[row], m.logits(ids[row])) < 1e-4
+
+
+def test_train_forward_check_can_fail():
+    """Negative control: a model whose AttnRes mixing differs by a little is caught."""
+    m, other = _model(3), _model(3)
+    with torch.no_grad():
+        other.model.layers[5].mlp_res_proj.weight.add_(0.5)
+    ids = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), override(linear=plain_linear):
+        logits = tr.train_forward(other, ids, tr.SeqOps("cpu"))
+    assert _rel(logits[0], m.logits(ids[0])) > 1e-3
+
+
+@pytest.mark.parametrize("t_len", [16, 50, 97], ids=lambda t: f"T{t}")
+def test_chunked_kda_matches_recurrence_and_gradients(t_len):
+    g = torch.Generator().manual_seed(t_len)
+
+    def rnd(*s):
+        return torch.randn(*s, generator=g)
+
+    q = torch.nn.functional.normalize(rnd(2, t_len, 3, 8), dim=-1) * 8 ** -0.5
+    k = torch.nn.functional.normalize(rnd(2, t_len, 3, 8), dim=-1)
+    v, gate, beta = rnd(2, t_len, 3, 8), -5 * torch.sigmoid(rnd(2, t_len, 3, 8)), torch.sigmoid(rnd(2, t_len, 3))
+    outs = []
+    for fn in (gops.kda_recurrent_batched, gops.kda_chunk_torch):
+        ins = [x.clone().requires_grad_(True) for x in (q, k, v, gate, beta)]
+        o = fn(*ins)
+        (o * torch.linspace(-1, 1, o.numel()).view_as(o)).sum().backward()
+        outs.append((o.detach(), [x.grad for x in ins]))
+    (o_ref, g_ref), (o_chk, g_chk) = outs
+    assert _rel(o_chk, o_ref) < 1e-5
+    for a, b in zip(g_chk, g_ref):
+        assert _rel(a, b) < 1e-4
+
+
+def test_loss_decreases_on_a_fixed_batch_and_checkpoint_loads(tmp_path):
+    cfg = _tiny_cfg()
+    model = _model(0, cfg).train()
+    ids = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(4, 64)
+    opt = torch.optim.AdamW(tr._param_groups(model, 0.0), lr=1e-2)
+    ops = tr.SeqOps("cpu")
+    losses = []
+    with override(linear=plain_linear):
+        for _ in range(8):
+            loss, _ = tr.masked_loss(tr.train_forward(model, ids, ops), ids, mask)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0], losses
+    save_checkpoint(model, tmp_path)
+    ByteTokenizer().save(tmp_path)
+    loaded = load_model(tmp_path)
+    logits = loaded.logits(ids[0, :20])
+    assert logits.shape == (20, cfg.vocab_size) and torch.isfinite(logits).all()
+    with torch.no_grad(), override(linear=plain_linear):
+        assert _rel(tr.train_forward(model.eval(), ids[:1, :20], ops)[0], logits) < 1e-4
+
+
+def test_masked_loss_counts_only_targets_and_exact_match():
+    ids = torch.tensor([[1, 2, 3, 4]])
+    logits = torch.full((1, 4, 5), -10.0)
+    logits[0, 0, 2] = 10.0            # predicts ids[1] = 2: right
+    logits[0, 1, 0] = 10.0            # predicts 0 where 3 comes: wrong, but not a target
+    logits[0, 2, 4] = 10.0            # predicts ids[3] = 4: right
+    mask = torch.tensor([[0.0, 1.0, 0.0, 1.0]])
+    loss, ok = tr.masked_loss(logits, ids, mask)
+    assert loss.item() < 1e-3 and ok.tolist() == [True]
+    loss, ok = tr.masked_loss(logits, ids, torch.ones(1, 4))   # negative control
+    assert loss.item() > 1.0 and ok.tolist() == [False]
+
+
+def test_gsm_row_is_lm_eval_fewshot_text_with_answers_as_targets():
+    rows = [{"question": "Q1?", "answer": "1 + 1 = 2\n#### 2"},
+            {"question": "Q2?", "answer": "#### 5"}, {"question": "Q3 long" * 50, "answer": "#### 9"}]
+    ids, mask = tr.gsm_row(rows, 80)
+    assert bytes(ids).decode() == "Question: Q1?\nAnswer: 1 + 1 = 2\n#### 2\n\nQuestion: Q2?\nAnswer: #### 5"
+    targets = bytes(i for i, m in zip(ids, mask) if m).decode()
+    assert targets == " 1 + 1 = 2\n#### 2\n\nQuestion: #### 5"
+    assert tr.gsm_prompt(rows[:1], rows[1]) == "Question: Q1?\nAnswer: 1 + 1 = 2\n#### 2\n\nQuestion: Q2?\nAnswer:"
+
+
+def test_needle_row_trains_every_value():
+    ids, mask = tr.needle_row(1500, random.Random(3))
+    targets = bytes(i for i, m in zip(ids, mask) if m).decode()
+    assert targets.startswith(" ") and targets.count(".") >= 1
+    digits = targets.replace(" ", "").split(".")[:-1]
+    assert all(len(d) == 7 and d.isdigit() for d in digits)
+    assert bytes(ids).decode().count(targets.split(".")[0].strip()) == 2   # the needle and the answer
+
+
+def test_bad_train_config_is_one_line():
+    with pytest.raises(Exception, match="--kda must be chunk, fla or recurrent"):
+        tr.TrainConfig(out="x", kda="fast")
