@@ -1,0 +1,113 @@
+"""`k3verify kvv`: the Kimi Vendor Verifier API-contract checks, or KVV benchmark scores held to range.
+
+    k3verify kvv --base-url http://127.0.0.1:8000/v1 [--model-name NAME]
+    k3verify kvv --self                  # against `k3verify serve` started in-process
+    k3verify kvv import results.json     # OCRBench / MMMU-Pro Vision / BEAM 1M / DeepSWE vs vendor ranges
+
+Each check becomes one report result, pass / fail / skip with its reason; a skip
+says what it would need (most often a real K3 endpoint). The API key, if any, is
+read from OPENAI_API_KEY.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from rich.table import Table
+
+from k3verify.commands import add_json_flag, add_model_flag, console, emit_json
+from k3verify.errors import UsageError
+
+NAME = "kvv"
+HELP = "Kimi Vendor Verifier: API-contract checks against an endpoint, or `kvv import FILE` of benchmark scores"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("action", nargs="?", choices=("import",), default=None,
+                        help="`import FILE`: hold KVV benchmark scores against the vendor ranges")
+    parser.add_argument("file", nargs="?", type=Path, default=None, metavar="FILE",
+                        help="KVV results (JSON or CSV) for `import`")
+    parser.add_argument("--base-url", default=None, metavar="URL", help="OpenAI-compatible endpoint ending in /v1")
+    parser.add_argument("--self", dest="self_serve", action="store_true",
+                        help="start `k3verify serve` in-process on a free loopback port and check it")
+    parser.add_argument("--model-name", default=None, metavar="NAME",
+                        help="model name to request (default: the first id from /models)")
+    parser.add_argument("--only", action="append", metavar="PREFIX",
+                        help="run only checks whose name starts with PREFIX (repeatable)")
+    parser.add_argument("--max-tokens", type=int, default=16, help="max_tokens of plain requests (default 16)")
+    parser.add_argument("--structured-max-tokens", type=int, default=2048,
+                        help="max_tokens of tool-call / JSON requests (default 2048)")
+    parser.add_argument("--report-dir", type=Path, help="where to write the report (default reports/<run-id>)")
+    add_model_flag(parser)
+    add_json_flag(parser)
+
+
+def results_table(results, title: str) -> Table:
+    table = Table(title=title)
+    for col in ("check", "status", "reason"):
+        table.add_column(col, overflow="fold")
+    colour = {"pass": "green", "fail": "red", "skip": "yellow"}
+    for r in results:
+        table.add_row(r["check"], f"[{colour.get(r['status'], 'magenta')}]{r['status']}[/]", r["reason"])
+    return table
+
+
+def _model_name(base_url: str) -> str:
+    import httpx
+    try:
+        data = httpx.get(base_url.rstrip("/") + "/models", timeout=30).json().get("data") or []
+    except (httpx.HTTPError, ValueError) as e:
+        raise UsageError(f"cannot list models at {base_url}/models ({type(e).__name__}); pass --model-name") from None
+    if not data:
+        raise UsageError(f"{base_url}/models lists no model; pass --model-name")
+    return data[0]["id"]
+
+
+def _check_endpoint(args, base_url: str):
+    from k3verify import quality
+    from k3verify.evals.kvv import run_kvv
+
+    name = args.model_name or _model_name(base_url)
+    started = time.perf_counter()
+    out = run_kvv(base_url, name, os.environ.get("OPENAI_API_KEY") or None, max_tokens=args.max_tokens,
+                  structured_max_tokens=args.structured_max_tokens, only=args.only)
+    return quality.kvv_gate(out, time.perf_counter() - started), f"kvv {name} @ {base_url}"
+
+
+def run(args) -> int:
+    from k3verify import quality, verify
+
+    if args.action == "import":
+        if args.file is None:
+            raise UsageError("kvv import needs a FILE (KVV results as JSON or CSV), got none")
+        if args.base_url or args.self_serve:
+            raise UsageError("kvv import reads a file; --base-url / --self do not apply")
+        from k3verify.evals.kvv import import_kvv_results
+        gate, title = quality.kvv_import_gate(import_kvv_results(args.file)), f"kvv import {args.file}"
+    else:
+        if args.file is not None:
+            raise UsageError(f"unexpected argument {str(args.file)!r}; did you mean `kvv import {args.file}`?")
+        if (args.base_url is None) == (not args.self_serve):
+            raise UsageError("kvv needs exactly one of --base-url URL or --self (or `kvv import FILE`)")
+        for flag, value in (("--max-tokens", args.max_tokens), ("--structured-max-tokens", args.structured_max_tokens)):
+            if value < 1:
+                raise UsageError(f"{flag} must be >= 1, got {value}")
+        if args.self_serve:
+            from k3verify.serve import ServerThread, build_embedded_app
+            with ServerThread(build_embedded_app(args.model)) as server:
+                gate, title = _check_endpoint(args, server.base_url)
+        else:
+            gate, title = _check_endpoint(args, args.base_url)
+    run_id, default_dir = verify.default_report_dir("kvv")
+    report, paths = verify.write(args.report_dir or default_dir, run_id, "k3verify " + " ".join(sys.argv[1:]),
+                                 None, gate.results, seeds={})
+    con = console()
+    con.print(results_table(gate.results, title))
+    verdict = report["summary"]["verdict"]
+    s = report["summary"]
+    con.print(f"verdict: {verdict} ({s['passed']} pass, {s['failed']} fail, {s['skipped']} skip)  report: {paths['md']}")
+    if args.json:
+        emit_json({"run_id": run_id, "verdict": verdict, "report": str(paths["json"]), "summary": s})
+    return 0 if verdict == "pass" else 1

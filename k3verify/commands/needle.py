@@ -1,0 +1,122 @@
+"""`k3verify needle`: RULER-style needle recall per (length, depth) cell on the embedded model.
+
+Each cell's prompt (k3verify.evals.needle, lengths in byte-tokenizer tokens) is
+prefilled, then up to 12 tokens are greedy-decoded and the 7-digit value is
+matched exactly. --fast runs with kda_chunked + mla_sdpa (chunked KDA, fused
+SDPA attention with O(T) memory); above 16K tokens that choice is made
+automatically, printed, and recorded in the report with its reason. With
+--toggle T the candidate (T on top of the same base) must not recall less than
+the reference on any cell.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from rich.table import Table
+
+from k3verify.commands import add_json_flag, add_model_flag, console, emit_json
+from k3verify.errors import UsageError
+
+NAME = "needle"
+HELP = "needle-in-a-haystack recall per (length, depth) cell; with --toggle the candidate must not recall less"
+DEFAULT_LENGTHS = (4096, 8192)
+DEFAULT_DEPTHS = (0.1, 0.5, 0.9)
+MAX_LENGTH_TOKENS = 1_048_576
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v.strip().replace("_", "")) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise UsageError(f"--lengths must be comma-separated token counts like 4096,8192, got {text!r}") from None
+    if not values or any(not 256 <= v <= MAX_LENGTH_TOKENS for v in values):
+        raise UsageError(f"--lengths must be token counts in [256, {MAX_LENGTH_TOKENS}], got {text!r}")
+    return values
+
+
+def _float_list(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise UsageError(f"--depths must be comma-separated fractions like 0.1,0.5,0.9, got {text!r}") from None
+    if not values or any(not 0.0 <= v <= 1.0 for v in values):
+        raise UsageError(f"--depths must be fractions in [0, 1], got {text!r}")
+    return values
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)), metavar="L,L,...",
+                        help=f"prompt lengths in tokens (default {','.join(map(str, DEFAULT_LENGTHS))}; "
+                             "the K3 claim is about 108000)")
+    parser.add_argument("--depths", default=",".join(map(str, DEFAULT_DEPTHS)), metavar="D,D,...",
+                        help="needle depths as fractions of the haystack (default 0.1,0.5,0.9)")
+    parser.add_argument("--seed", type=int, default=0, help="case seed (default 0)")
+    parser.add_argument("--samples", type=int, default=1, metavar="N",
+                        help="cases per cell, seeds S..S+N-1 (default 1)")
+    parser.add_argument("--distractors", type=int, default=0, metavar="N", help="distractor needles per case")
+    parser.add_argument("--toggle", default=None, metavar="T", help="candidate toggle judged against the reference")
+    parser.add_argument("--fast", action="store_true",
+                        help="run both sides with kda_chunked + mla_sdpa (automatic above 16K tokens)")
+    parser.add_argument("--min-recall", type=float, default=None, metavar="R",
+                        help="without --toggle: fail a cell whose recall is below R (fraction)")
+    parser.add_argument("--report-dir", type=Path, help="where to write the report (default reports/<run-id>)")
+    add_model_flag(parser)
+    add_json_flag(parser)
+
+
+def cells_table(gate) -> Table:
+    table = Table(title="needle recall per cell" + (f" ({gate.details['toggle']})" if gate.details["toggle"] else ""))
+    for col in ("length", "depth", "reference", "candidate", "prefill s", "decode s", "output", "status"):
+        table.add_column(col)
+    for r in gate.results:
+        cases = r["reference_cases"] + r.get("candidate_cases", [])
+        found = [f"{sum(o['found'] for o in r['reference_cases'])}/{len(r['reference_cases'])}"]
+        found.append(f"{sum(o['found'] for o in r['candidate_cases'])}/{len(r['candidate_cases'])}"
+                     if "candidate_cases" in r else "-")
+        colour = "green" if r["status"] == "pass" else "red"
+        table.add_row(str(r["length_tokens"]), f"{r['depth']:g}", *found,
+                      f"{sum(o['prefill_s'] for o in cases):.1f}", f"{sum(o['decode_s'] for o in cases):.1f}",
+                      repr(r["reference_cases"][0]["text"])[:24], f"[{colour}]{r['status']}[/]")
+    return table
+
+
+def run(args) -> int:
+    from k3verify import quality, verify
+    from k3verify.evals import needle
+
+    lengths, depths = _int_list(args.lengths), _float_list(args.depths)
+    if args.samples < 1:
+        raise UsageError(f"--samples must be >= 1, got {args.samples}")
+    if args.min_recall is not None and not 0.0 <= args.min_recall <= 1.0:
+        raise UsageError(f"--min-recall is a fraction in [0, 1], got {args.min_recall}")
+    if args.toggle is not None:
+        from optimized_stack import toggles as registry
+        registry.get(args.toggle)                 # unknown names: exit 2 before any work
+    cases = [c for s in range(args.seed, args.seed + args.samples)
+             for c in needle.grid(lengths, depths, seed=s, n_distractors=args.distractors)]
+    fast, auto_reason = quality.choose_fast(max(c.length_tokens for c in cases), args.fast)
+    if auto_reason:
+        print(f"note: {auto_reason} (recorded in the report)", file=sys.stderr)
+
+    from optimized_stack import load_model
+    from optimized_stack.tokenizer import load_tokenizer
+    model = load_model(args.model)
+    tokenizer = load_tokenizer(args.model)
+    # the gate makes (and records) the same automatic choice from the same cases
+    gate = quality.needle_gate(model, tokenizer, cases, toggle=args.toggle, fast=args.fast,
+                               min_recall=args.min_recall, progress=lambda msg: print(f"  {msg}", file=sys.stderr))
+    run_id, default_dir = verify.default_report_dir("needle")
+    report, paths = verify.write(args.report_dir or default_dir, run_id, "k3verify " + " ".join(sys.argv[1:]),
+                                 model, gate.results, seeds={"needle_seed": args.seed, "samples": args.samples})
+    con = console()
+    con.print(cells_table(gate))
+    verdict = report["summary"]["verdict"]
+    con.print(f"verdict: {verdict}  report: {paths['md']}")
+    if args.json:
+        emit_json({"run_id": run_id, "verdict": verdict, "report": str(paths["json"]), "fast": fast,
+                   "automatic_choices": gate.details["automatic_choices"],
+                   "cells": [{"length": r["length_tokens"], "depth": r["depth"], "status": r["status"],
+                              "recall": [a["value"] for a in r["accuracy"]], "seconds": r["duration_s"]}
+                             for r in gate.results]})
+    return 0 if verdict == "pass" else 1

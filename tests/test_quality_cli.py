@@ -1,0 +1,313 @@
+"""Quality-gate commands (gsm8k, needle, kvv, serve) and k3verify.quality, offline.
+
+The CLI runs use a tiny seeded 2-layer model (one KDA, one MLA layer) written to a
+temp dir, so a GSM8K question or a 1024-token needle costs seconds on 2 cores.
+"""
+
+import os
+
+# Offline before datasets/huggingface_hub are imported: they read these at import time.
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import json  # noqa: E402
+import re  # noqa: E402
+import shutil  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+import optimized_stack.kernels.lossy_toggle_defs  # noqa: E402,F401  (registers kda_state_bf16)
+from k3verify import quality  # noqa: E402
+from k3verify.cli import main  # noqa: E402
+from k3verify.evals import needle  # noqa: E402
+from k3verify.evals.gsm8k import lookup_generate_fn  # noqa: E402
+from optimized_stack import toggles  # noqa: E402
+from optimized_stack.model import ops  # noqa: E402
+
+DATA = Path("/work/shared/data/gsm8k")
+REPO = Path(__file__).resolve().parent.parent
+TRUE_ANSWERS = {json.loads(line)["question"]: json.loads(line)["answer"] for line in open(DATA / "test.jsonl")}
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """A seeded 2-layer K3 (KDA then MLA) with the byte tokenizer, saved as a model directory."""
+    from optimized_stack.checkpoint import save_checkpoint
+    from optimized_stack.config import K3Config
+    from optimized_stack.presets import BOS_ID, BYTE_VOCAB, EOS_ID, PAD_ID, init_model
+
+    cfg = K3Config(variant="k3", vocab_size=BYTE_VOCAB, hidden_size=32, num_layers=2, layer_kinds=("kda", "mla"),
+                   kda_num_heads=2, kda_head_dim=8, num_heads=2, q_lora_rank=16, kv_lora_rank=8,
+                   qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, first_k_dense_replace=1,
+                   intermediate_size=32, num_experts=4, num_experts_per_token=2, num_shared_experts=1,
+                   moe_intermediate_size=16, routed_expert_hidden_size=16, attn_res_block_size=None,
+                   bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    folder = tmp_path_factory.mktemp("tiny-k3")
+    save_checkpoint(init_model(cfg, seed=0), folder)
+    shutil.copy(REPO / "golden" / "k3-mini" / "tokenizer_config.json", folder)
+    return str(folder)
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path_factory, monkeypatch):
+    """lm-eval task files and gsm8k-synth data in a temp cache, not ~/.cache."""
+    monkeypatch.setenv("K3VERIFY_CACHE", str(tmp_path_factory.getbasetemp() / "k3verify-cache"))
+
+
+def cli(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def load(report_dir: Path) -> dict:
+    return json.loads((report_dir / "report.json").read_text())
+
+
+# ---------------------------------------------------------------------------
+# gsm8k
+# ---------------------------------------------------------------------------
+
+def test_gsm8k_cli_writes_per_question_rows(capsys, tmp_path, tiny_model):
+    code, out, _ = cli(capsys, "gsm8k", "--limit", 3, "--data-dir", DATA, "--num-fewshot", 0,
+                       "--max-new-tokens", 4, "--model", tiny_model, "--report-dir", tmp_path, "--json")
+    assert code == 0, "a measurement without --toggle or a floor passes"
+    report = load(tmp_path)
+    assert [r["check"] for r in report["results"]] == ["gsm8k/strict-match", "gsm8k/flexible-extract"]
+    targets = [a.split("#### ")[-1] for a in list(TRUE_ANSWERS.values())[:3]]
+    for r in report["results"]:
+        assert r["toggle"] == "reference" and r["status"] == "pass"
+        assert [q["doc_id"] for q in r["questions"]] == [0, 1, 2]
+        assert [q["target"] for q in r["questions"]] == targets
+        assert all(re.fullmatch(r"[0-9a-f]{64}", q["prompt_hash"]) for q in r["questions"])
+        assert r["accuracy"][0]["label"] == "reference" and 0.0 <= r["accuracy"][0]["value"] <= 1.0
+        assert r["gsm8k"]["reference"]["n"] == 3 and r["gsm8k"]["reference"]["num_fewshot"] == 0
+    assert json.loads(out.strip().splitlines()[-1])["verdict"] == "pass"
+    assert (tmp_path / "report.html").is_file() and (tmp_path / "junit.xml").is_file()
+
+
+def test_gsm8k_cli_floor_fails_a_random_model(capsys, tmp_path, tiny_model):
+    # negative control for the measurement path: a floor the untrained model cannot reach
+    code, _, _ = cli(capsys, "gsm8k", "--limit", 1, "--data-dir", DATA, "--num-fewshot", 0, "--max-new-tokens", 2,
+                     "--model", tiny_model, "--min-accuracy", 0.5, "--report-dir", tmp_path)
+    assert code == 1
+    assert {r["status"] for r in load(tmp_path)["results"]} == {"fail"}
+
+
+def test_gsm8k_cli_toggle_gives_a_paired_result(capsys, tmp_path, tiny_model):
+    code, out, _ = cli(capsys, "gsm8k", "--toggle", "kda_chunked", "--limit", 2, "--dataset", "synth",
+                       "--num-fewshot", 1, "--max-new-tokens", 4, "--model", tiny_model,
+                       "--report-dir", tmp_path, "--json")
+    report = load(tmp_path)
+    for r in report["results"]:
+        paired = r["accuracy"]
+        assert r["toggle"] == "kda_chunked" and r["contract"].startswith("approx(")
+        assert paired["n"] == 2 and paired["b"] + paired["c"] <= 2
+        assert {"mcnemar_p", "lower_bound", "noninferior", "mde", "power_note"} <= set(paired)
+        assert r["status"] == ("pass" if paired["noninferior"] else "fail")
+        assert all("cand_response" in q and "ref_response" in q for q in r["questions"])
+    # on an untrained model both sides answer wrong: no discordant pair, so the gate passes
+    assert code == 0 and all(r["accuracy"]["b"] == r["accuracy"]["c"] == 0 for r in report["results"])
+    assert json.loads(out.strip().splitlines()[-1])["paired"]["strict-match"]["b"] == 0
+
+
+def test_gsm8k_cli_base_url_matches_the_embedded_model(capsys, tmp_path, tiny_model):
+    # lm-eval's local-completions client needs lm-eval's API extra (tenacity)
+    pytest.importorskip("tenacity", reason="lm-eval[api] (tenacity) is needed for --base-url")
+    from k3verify.serve import ServerThread, build_embedded_app
+
+    common = ["--limit", 2, "--data-dir", DATA, "--num-fewshot", 0, "--max-new-tokens", 4]
+    with ServerThread(build_embedded_app(tiny_model)) as server:
+        assert server.base_url.startswith("http://127.0.0.1:")
+        code, _, _ = cli(capsys, "gsm8k", "--base-url", server.base_url, *common, "--report-dir", tmp_path / "api")
+    assert code == 0
+    assert cli(capsys, "gsm8k", "--model", tiny_model, *common, "--report-dir", tmp_path / "emb")[0] == 0
+    api, emb = (load(tmp_path / d)["results"][0]["questions"] for d in ("api", "emb"))
+    assert [q["prompt_hash"] for q in api] == [q["prompt_hash"] for q in emb]
+    assert [q["ref_response"] for q in api] == [q["ref_response"] for q in emb], "greedy text must not depend on the route"
+
+
+def _wrong(answers: dict[str, str]) -> dict[str, str]:
+    return {q: f"Steps.\n#### {int(a.split('#### ')[-1].replace(',', '')) + 1}" for q, a in answers.items()}
+
+
+def test_paired_gate_fails_when_the_candidate_turns_wrong():
+    # negative control: a candidate that loses every question the reference answers
+    run = quality.gsm8k_gate(lookup_generate_fn(TRUE_ANSWERS), lookup_generate_fn(_wrong(TRUE_ANSWERS)),
+                             toggle="kda_state_bf16", data_dir=DATA, limit=5)
+    assert not run.passed
+    for r in run.results:
+        assert r["status"] == "fail" and r["toggle"] == "kda_state_bf16"
+        assert (r["accuracy"]["b"], r["accuracy"]["c"]) == (5, 0)
+        assert "b=5" in r["reason"] and "McNemar" in r["reason"]
+
+
+def test_paired_gate_passes_an_identical_candidate():
+    fn = lookup_generate_fn(TRUE_ANSWERS)
+    run = quality.gsm8k_gate(fn, fn, data_dir=DATA, limit=5)
+    assert run.passed and all(r["accuracy"]["b"] == r["accuracy"]["c"] == 0 for r in run.results)
+    assert run.details["accuracy"]["reference"] == {"strict-match": 1.0, "flexible-extract": 1.0}
+
+
+def test_toggled_applies_the_toggle_only_during_generation():
+    seen = []
+
+    def probe(prompts, max_new_tokens, stop):
+        seen.append(ops.OPS.kda_prefill)
+        return [""] * len(prompts)
+    quality.toggled(probe, ["kda_chunked"])(["x"], 1, [])
+    assert seen[0] is not None and seen[0].__name__ == "kda_chunked"
+    assert ops.OPS.kda_prefill is None, "the toggle must be removed after the call"
+
+
+# ---------------------------------------------------------------------------
+# needle
+# ---------------------------------------------------------------------------
+
+def test_needle_cli_runs_a_1024_token_cell(capsys, tmp_path, tiny_model):
+    code, out, _ = cli(capsys, "needle", "--lengths", 1024, "--depths", 0.5, "--model", tiny_model,
+                       "--report-dir", tmp_path, "--json")
+    assert code == 0
+    (r,) = load(tmp_path)["results"]
+    assert r["check"] == "needle" and r["scenario"] == "L1024-d50" and r["base_toggles"] == []
+    (case,) = r["reference_cases"]
+    assert abs(case["prompt_tokens"] - 1024) <= needle.TOLERANCE_TOKENS
+    assert 1 <= case["new_tokens"] <= quality.NEEDLE_MAX_NEW_TOKENS and case["prefill_s"] > 0
+    assert r["automatic_choices"] == []
+    assert json.loads(out.strip().splitlines()[-1])["fast"] is False
+
+
+def test_needle_cli_floor_fails_a_random_model(capsys, tmp_path, tiny_model):
+    # negative control: an untrained model cannot recall a 7-digit value
+    code, _, _ = cli(capsys, "needle", "--lengths", 512, "--depths", 0.5, "--fast", "--min-recall", 1,
+                     "--model", tiny_model, "--report-dir", tmp_path)
+    assert code == 1
+    (r,) = load(tmp_path)["results"]
+    assert r["status"] == "fail" and r["base_toggles"] == list(quality.FAST_TOGGLES)
+
+
+def test_fast_is_chosen_automatically_above_16k_with_a_reason():
+    assert quality.choose_fast(16384, False) == (False, None)
+    assert quality.choose_fast(4096, True) == (True, None)
+    fast, reason = quality.choose_fast(108000, False)
+    assert fast and "kda_chunked + mla_sdpa" in reason and "108000" in reason
+
+
+def _oracle(model, tokenizer, prompt, max_new_tokens=quality.NEEDLE_MAX_NEW_TOKENS):
+    """Reads the value out of the prompt; loses it whenever the KDA scan is swapped."""
+    value = re.search(r"magic numbers for [a-z-]+ is: ([0-9]{7})", prompt).group(1)
+    text = value if ops.OPS.kda_prefill is None else "0000000"
+    return {"text": text, "prompt_tokens": len(prompt), "new_tokens": 7, "prefill_s": 0.0, "decode_s": 0.0}
+
+
+@pytest.mark.parametrize("toggle, verdict", [("mla_sdpa", True), ("kda_state_bf16", False)],
+                         ids=["recall-kept", "recall-lost"])
+def test_needle_gate_fails_a_cell_the_candidate_forgets(monkeypatch, toggle, verdict):
+    monkeypatch.setattr(quality, "needle_generate", _oracle)
+    cases = needle.grid([600], [0.2, 0.8], seed=3)
+    run = quality.needle_gate(None, None, cases, toggle=toggle)
+    assert run.passed is verdict
+    assert [r["accuracy"][0]["value"] for r in run.results] == [1.0, 1.0]
+    assert {r["status"] for r in run.results} == {"pass" if verdict else "fail"}
+
+
+@pytest.mark.slow
+def test_needle_108k_cell_runs_on_the_cpu(capsys, tmp_path):
+    code, out, err = cli(capsys, "needle", "--lengths", 108000, "--depths", 0.5, "--report-dir", tmp_path, "--json")
+    assert code == 0
+    assert "note:" in err and "kda_chunked + mla_sdpa" in err, "the automatic fast choice must be announced"
+    (r,) = load(tmp_path)["results"]
+    assert r["base_toggles"] == list(quality.FAST_TOGGLES) and r["automatic_choices"][0]["reason"]
+    assert abs(r["reference_cases"][0]["prompt_tokens"] - 108000) <= needle.TOLERANCE_TOKENS
+
+
+# ---------------------------------------------------------------------------
+# kvv and serve
+# ---------------------------------------------------------------------------
+
+def test_kvv_cli_passes_against_k3verify_serve(capsys, tmp_path, tiny_model):
+    from k3verify.serve import ServerThread, build_embedded_app
+
+    with ServerThread(build_embedded_app(tiny_model)) as server:
+        code, out, _ = cli(capsys, "kvv", "--base-url", server.base_url, "--max-tokens", 4,
+                           "--structured-max-tokens", 400, "--report-dir", tmp_path, "--json")
+    assert code == 0, out
+    results = load(tmp_path)["results"]
+    assert all(r["check"].startswith("kvv/") and r["toggle"] == "endpoint" for r in results)
+    assert {r["status"] for r in results} <= {"pass", "skip"}
+    assert sum(r["status"] == "pass" for r in results) >= 10
+    assert all(r["reason"] for r in results if r["status"] == "skip")
+
+
+def test_kvv_cli_fails_a_server_without_the_contract(capsys, tmp_path, tiny_model):
+    # negative control: the same server with K3's request rules off must fail the reject checks
+    from k3verify.serve import ServerThread, build_embedded_app
+
+    with ServerThread(build_embedded_app(tiny_model, enforce_contract=False)) as server:
+        code, _, _ = cli(capsys, "kvv", "--base-url", server.base_url, "--only", "params.reject",
+                         "--max-tokens", 1, "--report-dir", tmp_path)
+    assert code == 1
+    assert any(r["status"] == "fail" for r in load(tmp_path)["results"])
+
+
+@pytest.mark.parametrize("scores, code", [
+    ({"OCRBench": 0.88, "MMMU-Pro Vision": 0.81, "BEAM 1M": 0.30, "DeepSWE": 0.67}, 0),
+    ({"OCRBench": 0.88, "MMMU-Pro Vision": 0.70, "BEAM 1M": 0.30, "DeepSWE": 0.67}, 1),
+], ids=["in-range", "out-of-range"])
+def test_kvv_import(capsys, tmp_path, scores, code):
+    path = tmp_path / "kvv.json"
+    path.write_text(json.dumps(scores))
+    got, _, _ = cli(capsys, "kvv", "import", path, "--report-dir", tmp_path / "r")
+    assert got == code
+    results = {r["check"]: r for r in load(tmp_path / "r")["results"]}
+    assert set(results) == {"kvv/OCRBench", "kvv/MMMU-Pro Vision", "kvv/BEAM 1M", "kvv/DeepSWE"}
+    assert (results["kvv/MMMU-Pro Vision"]["status"] == "pass") is (code == 0)
+
+
+def test_serve_cli_rejects_a_bad_port(capsys):
+    code, _, err = cli(capsys, "serve", "--port", 70000)
+    assert code == 2 and "--port must be in [0, 65535], got 70000" in err
+
+
+# ---------------------------------------------------------------------------
+# bad input: exit 2 with one line
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, match", [
+    (["gsm8k", "--toggle", "kda_chunkd"], r"unknown toggle 'kda_chunkd'; did you mean 'kda_chunked'"),
+    (["gsm8k", "--limit", "-3"], r"--limit must be a positive integer, got -3"),
+    (["gsm8k", "--base-url", "http://127.0.0.1:9/v1", "--toggle", "kda_chunked"], r"cannot be combined"),
+    (["gsm8k", "--data-dir", "/nonexistent/gsm8k"], r"--data-dir must be a folder"),
+    (["needle", "--lengths", "4096,abc"], r"--lengths must be comma-separated token counts"),
+    (["needle", "--lengths", "10"], r"--lengths must be token counts in \[256, "),
+    (["needle", "--depths", "1.5"], r"--depths must be fractions in \[0, 1\]"),
+    (["needle", "--toggle", "nope"], r"unknown toggle 'nope'"),
+    (["kvv"], r"exactly one of --base-url URL or --self"),
+    (["kvv", "import"], r"kvv import needs a FILE"),
+    (["kvv", "import", "/nonexistent/kvv.json"], r"cannot read KVV results"),
+], ids=["gsm8k-unknown-toggle", "gsm8k-negative-limit", "gsm8k-url-with-toggle", "gsm8k-missing-data",
+        "needle-bad-lengths", "needle-short-length", "needle-bad-depth", "needle-unknown-toggle",
+        "kvv-no-endpoint", "kvv-import-no-file", "kvv-import-missing-file"])
+def test_bad_input_exits_2_with_one_line(capsys, argv, match):
+    code, _, err = cli(capsys, *argv)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and re.search(match, lines[0]), err
+
+
+# ---------------------------------------------------------------------------
+# the deliberately lossy toggle
+# ---------------------------------------------------------------------------
+
+def test_lossy_toggle_is_registered_with_the_approx_kernel_budget():
+    t, ref = toggles.get("kda_state_bf16"), toggles.get("kda_chunked")
+    assert t.kind == "optimization" and t.contract == ref.contract and t.contract.kind == "approx"
+
+
+def test_lossy_toggle_fails_its_drift_budget(capsys, tmp_path):
+    code, out, _ = cli(capsys, "diff", "--toggle", "kda_state_bf16", "--scenario", "single",
+                       "--report-dir", tmp_path, "--json")
+    assert code == 1, "bf16 KDA state must break the approx budget on the embedded model"
+    failed = [r for r in load(tmp_path)["results"] if r["status"] == "fail"]
+    assert failed and failed[0]["check"] == "drift_budget"
