@@ -195,10 +195,12 @@ def _drift(ref: Capture, cand: Capture, contract) -> tuple[bool, str, list[dict]
                   f"max ULP {f.max_ulp} over {f.n_rows} rows"), [fd], evidence
 
 
-def applies(toggle, scenario, device: str = "cpu") -> str | None:
+def applies(toggle, scenario, device: str = "cpu", world_size: int = 1) -> str | None:
     """None if the toggle applies to the scenario here; else the reason it does not."""
     if device not in toggle.devices:
         return f"toggle runs on {', '.join(toggle.devices)}, not {device}"
+    if world_size not in toggle.world_sizes:
+        return f"toggle runs at world size {', '.join(map(str, toggle.world_sizes))}, not {world_size}"
     if toggle.scenario_tags and not set(toggle.scenario_tags) & set(scenario.tags):
         return f"toggle applies to scenarios tagged {', '.join(toggle.scenario_tags)}"
     return None
@@ -206,16 +208,32 @@ def applies(toggle, scenario, device: str = "cpu") -> str | None:
 
 class ReferenceRuns:
     """Reference captures (tensors kept) per scenario, computed once and shared by every
-    toggle judged in the same process."""
+    toggle judged in the same process. At world size W > 1 every run (reference: the same
+    W without the toggle) goes through the tensor-parallel runner's W ranks, started once."""
 
-    def __init__(self, model):
+    def __init__(self, model, world_size: int = 1):
         self.model = model
+        self.world_size = world_size
         self._runs: dict[str, Capture] = {}
+        self._tp = None
+
+    def run(self, scenario, toggle_names=(), *, keep: bool = False, force=None) -> Capture:
+        if self.world_size == 1:
+            return run_scenario(self.model, scenario, toggle_names, keep=keep, force=force)
+        if self._tp is None:
+            from .tp_runner import TPRunner
+            self._tp = TPRunner(self.model, self.world_size)
+        return self._tp.run(scenario, toggle_names, keep=keep, force=force)
 
     def get(self, scenario) -> Capture:
         if scenario.name not in self._runs:
-            self._runs[scenario.name] = run_scenario(self.model, scenario, (), keep=True)
+            self._runs[scenario.name] = self.run(scenario, (), keep=True)
         return self._runs[scenario.name]
+
+    def close(self) -> None:
+        if self._tp is not None:
+            self._tp.close()
+            self._tp = None
 
 
 def check_toggle(model, toggle_name: str, scenario, *, localize_failures: bool = True,
@@ -225,26 +243,28 @@ def check_toggle(model, toggle_name: str, scenario, *, localize_failures: bool =
     toggle = toggle_registry.get(toggle_name)
     contract = toggle.contract
     base = dict(toggle=toggle.name, kind=toggle.kind, contract=contract.describe(), scenario=scenario.name)
-    skip = applies(toggle, scenario)
+    skip = applies(toggle, scenario, world_size=references.world_size)
     if skip:
         checks = EXACT_CHECKS if contract.kind == "exact" else ("drift_budget",)
         return [CheckResult(check=c, status="skip", reason=skip, **base) for c in checks]
     t0 = time.perf_counter()
     ref = references.get(scenario)
+    # localisation replays on the single-process model, where a TP toggle changes nothing
+    localize_failures = localize_failures and references.world_size == 1
     if contract.kind == "approx":
         force = {rid: rc.tokens for rid, rc in ref.requests.items()}
-        cand = run_scenario(model, scenario, (toggle.name,), keep=True, force=force)
+        cand = references.run(scenario, (toggle.name,), keep=True, force=force)
         ok, reason, findings, evidence = _drift(ref, cand, contract)
         res = CheckResult(check="drift_budget", status="pass" if ok else "fail", reason=reason,
                           findings=findings, evidence=evidence, duration_s=time.perf_counter() - t0, **base)
         if not ok and localize_failures:
             res.localization = _localize(model, toggle.name, scenario, ref)
         return [res]
-    cand = run_scenario(model, scenario, (toggle.name,))
+    cand = references.run(scenario, (toggle.name,))
     verdicts = compare_captures(ref, cand, scenario.name)
     if not all(v["equal"] for v in verdicts.values()):
         # deterministic: the same run again, now with tensors kept for the findings
-        cand = run_scenario(model, scenario, (toggle.name,), keep=True)
+        cand = references.run(scenario, (toggle.name,), keep=True)
         verdicts = compare_captures(ref, cand, scenario.name)
     duration = time.perf_counter() - t0
     results = []

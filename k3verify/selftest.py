@@ -33,56 +33,69 @@ def _scenario_for(toggle, scale: float):
 
 def run_selftest(model, *, scale: float = 1.0, device: str = "cpu",
                  progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
-    refs = ReferenceRuns(model)
+    refs_by_world: dict[int, ReferenceRuns] = {}
     out: list[dict[str, Any]] = []
-    for toggle in toggle_registry.all_toggles():
-        if device not in toggle.devices:
-            out.append({"toggle": toggle.name, "kind": toggle.kind, "contract": toggle.contract.describe(),
-                        "check": "selftest", "scenario": None, "status": "skip",
-                        "reason": f"runs on {', '.join(toggle.devices)}, not {device}", "findings": [],
-                        "first_divergence": None, "localization": None, "caught": None,
-                        "duration_s": 0.0, "speedup": None})
-            continue
-        sc = _scenario_for(toggle, scale)
-        if progress:
-            progress(f"{toggle.name} on {sc.name}")
-        results = check_toggle(model, toggle.name, sc, references=refs)
-        failed = {r.check for r in results if r.status == "fail"}
-        errors = [r for r in results if r.status == "error"]
-        base = {"toggle": toggle.name, "kind": toggle.kind, "contract": toggle.contract.describe(),
-                "check": "selftest", "scenario": sc.name, "duration_s": sum(r.duration_s for r in results) /
-                max(1, len(results)), "speedup": None}
-        if toggle.kind == "optimization":
-            ok = not failed and not errors
-            reason = ("contract holds: " + "; ".join(f"{r.check} {r.reason}" for r in results)) if ok else (
-                "a real toggle failed its contract: " + "; ".join(f"{r.check}: {r.reason}" for r in results
-                                                                   if r.status == "fail"))
-            out.append({**base, "status": "pass" if ok else "fail", "reason": reason,
-                        "findings": [f for r in results for f in r.findings][:2],
-                        "first_divergence": next((r.first_divergence for r in results if r.first_divergence), None),
-                        "localization": None, "caught": None})
-            continue
-        caught_by = sorted(failed & set(toggle.caught_by))
-        loc = next((r.localization for r in results if r.localization), None)
-        where = (loc or {}).get("component")
-        # an engine fault is localised from the state / MLA-row checks; where those did not
-        # fail (logits-only engine faults) no single-request replay can reproduce it, and the
-        # result says so rather than guessing
-        unavailable = where is None and bool(toggle.engine)
-        localised = toggle.lives_in is None or where == toggle.lives_in or unavailable
-        caught = bool(caught_by)
-        problems = []
-        if not caught:
-            problems.append(f"not caught by {', '.join(toggle.caught_by)} (failed checks: {sorted(failed) or 'none'})")
-        if caught and not localised:
-            problems.append(f"localised to {where!r}, expected {toggle.lives_in!r}")
-        status = "pass" if caught and localised else "fail"
-        where_text = ("not localisable by replay (engine fault; see first divergence)" if unavailable
-                      else f"localised to {where}")
-        reason = (f"caught by {', '.join(caught_by)}; {where_text}" if status == "pass"
-                  else "; ".join(problems))
-        out.append({**base, "status": status, "reason": reason,
+    try:
+        for toggle in toggle_registry.all_toggles():
+            # a toggle that only exists at W > 1 (tensor parallel) is judged at its smallest W
+            world = 1 if 1 in toggle.world_sizes else min(toggle.world_sizes)
+            refs = refs_by_world.setdefault(world, ReferenceRuns(model, world_size=world))
+            _judge_one(model, toggle, refs, scale, device, progress, out)
+    finally:
+        for refs in refs_by_world.values():
+            refs.close()
+    return out
+
+
+def _judge_one(model, toggle, refs: ReferenceRuns, scale: float, device: str, progress, out: list) -> None:
+    """Judge one toggle (or mutant) and append its selftest result to `out`."""
+    if device not in toggle.devices:
+        out.append({"toggle": toggle.name, "kind": toggle.kind, "contract": toggle.contract.describe(),
+                    "check": "selftest", "scenario": None, "status": "skip",
+                    "reason": f"runs on {', '.join(toggle.devices)}, not {device}", "findings": [],
+                    "first_divergence": None, "localization": None, "caught": None,
+                    "duration_s": 0.0, "speedup": None})
+        return
+    sc = _scenario_for(toggle, scale)
+    if progress:
+        progress(f"{toggle.name} on {sc.name}")
+    results = check_toggle(model, toggle.name, sc, references=refs)
+    failed = {r.check for r in results if r.status == "fail"}
+    errors = [r for r in results if r.status == "error"]
+    base = {"toggle": toggle.name, "kind": toggle.kind, "contract": toggle.contract.describe(),
+            "check": "selftest", "scenario": sc.name, "duration_s": sum(r.duration_s for r in results) /
+            max(1, len(results)), "speedup": None}
+    if toggle.kind == "optimization":
+        ok = not failed and not errors
+        reason = ("contract holds: " + "; ".join(f"{r.check} {r.reason}" for r in results)) if ok else (
+            "a real toggle failed its contract: " + "; ".join(f"{r.check}: {r.reason}" for r in results
+                                                               if r.status == "fail"))
+        out.append({**base, "status": "pass" if ok else "fail", "reason": reason,
                     "findings": [f for r in results for f in r.findings][:2],
                     "first_divergence": next((r.first_divergence for r in results if r.first_divergence), None),
-                    "localization": loc, "caught": caught})
-    return out
+                    "localization": None, "caught": None})
+        return
+    caught_by = sorted(failed & set(toggle.caught_by))
+    loc = next((r.localization for r in results if r.localization), None)
+    where = (loc or {}).get("component")
+    # an engine fault is localised from the state / MLA-row checks; where those did not
+    # fail (logits-only engine faults) no single-request replay can reproduce it, and the
+    # result says so rather than guessing
+    unavailable = where is None and (bool(toggle.engine) or refs.world_size > 1)
+    localised = toggle.lives_in is None or where == toggle.lives_in or unavailable
+    caught = bool(caught_by)
+    problems = []
+    if not caught:
+        problems.append(f"not caught by {', '.join(toggle.caught_by)} (failed checks: {sorted(failed) or 'none'})")
+    if caught and not localised:
+        problems.append(f"localised to {where!r}, expected {toggle.lives_in!r}")
+    status = "pass" if caught and localised else "fail"
+    where_text = ("not localisable by single-process replay (engine / multi-rank fault; see first "
+                  "divergence)" if unavailable
+                  else f"localised to {where}")
+    reason = (f"caught by {', '.join(caught_by)}; {where_text}" if status == "pass"
+              else "; ".join(problems))
+    out.append({**base, "status": status, "reason": reason,
+                "findings": [f for r in results for f in r.findings][:2],
+                "first_divergence": next((r.first_divergence for r in results if r.first_divergence), None),
+                "localization": loc, "caught": caught})

@@ -31,15 +31,22 @@ def scenarios_for(toggle, names: Iterable[str] | None, scale: float, seed: int =
 
 def judge(model, toggle_names: list[str], scenario_names: list[str] | None = None, *, scale: float = 1.0,
           seed: int = 0, references: ReferenceRuns | None = None,
-          progress: Callable[[str], None] | None = None) -> list[CheckResult]:
-    references = references or ReferenceRuns(model)
+          progress: Callable[[str], None] | None = None, world_size: int = 1) -> list[CheckResult]:
+    """At world_size W > 1 each toggle is judged under tensor parallelism against the same W
+    without it (the W ranks start once and are stopped here unless `references` was given)."""
+    owned = references is None
+    references = references or ReferenceRuns(model, world_size)
     results: list[CheckResult] = []
-    for name in toggle_names:
-        toggle = toggle_registry.get(name)
-        for sc in scenarios_for(toggle, scenario_names, scale, seed):
-            if progress:
-                progress(f"{name} on {sc.name}")
-            results.extend(check_toggle(model, name, sc, references=references))
+    try:
+        for name in toggle_names:
+            toggle = toggle_registry.get(name)
+            for sc in scenarios_for(toggle, scenario_names, scale, seed):
+                if progress:
+                    progress(f"{name} on {sc.name}" + (f" at world size {world_size}" if world_size > 1 else ""))
+                results.extend(check_toggle(model, name, sc, references=references))
+    finally:
+        if owned:
+            references.close()
     return results
 
 

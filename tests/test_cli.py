@@ -39,7 +39,7 @@ def test_version(capsys):
 def test_unknown_command_suggests(capsys):
     code, out, err = _run(capsys, "inf")
     assert code == 2
-    assert err.strip() == "k3verify: error: unknown command 'inf'; did you mean 'info'?"
+    assert err.strip().startswith("k3verify: error: unknown command 'inf'; did you mean 'info'")
 
 
 def test_unknown_command_without_close_match_lists_choices(capsys):
@@ -68,7 +68,7 @@ def test_script_exits_with_code():
     # `python -m k3verify.cli` goes through the same sys.exit(main()) as the console script.
     proc = subprocess.run([sys.executable, "-m", "k3verify.cli", "genrate"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
-    assert "did you mean 'generate'?" in proc.stderr
+    assert "did you mean 'generate'" in proc.stderr
 
 
 @pytest.fixture

@@ -300,9 +300,10 @@ def test_bad_input_exits_2_with_one_line(capsys, argv, match):
 # the deliberately lossy toggle
 # ---------------------------------------------------------------------------
 
-def test_lossy_toggle_is_registered_with_the_approx_kernel_budget():
+def test_lossy_toggle_is_a_control_with_the_approx_kernel_budget():
     t, ref = toggles.get("kda_state_bf16"), toggles.get("kda_chunked")
-    assert t.kind == "optimization" and t.contract == ref.contract and t.contract.kind == "approx"
+    assert t.kind == "mutant" and t.caught_by == ("drift_budget",)
+    assert t.contract == ref.contract and t.contract.kind == "approx"
 
 
 def test_lossy_toggle_fails_its_drift_budget(capsys, tmp_path):

@@ -24,6 +24,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--scale", type=float, default=1.0, help="scenario size multiplier (default 1.0)")
     parser.add_argument("--seed", type=int, default=0, help="scenario seed (default 0)")
     parser.add_argument("--report-dir", type=Path, help="where to write the report (default reports/<run-id>)")
+    parser.add_argument("--world-size", type=int, default=1, metavar="W",
+                        help="judge under tensor parallelism on W gloo ranks (reference: the same W "
+                             "without the toggle); default 1, no TP")
     add_model_flag(parser)
     add_json_flag(parser)
 
@@ -45,7 +48,12 @@ def run(args) -> int:
     from optimized_stack import toggles as registry
 
     from k3verify import verify, workloads
+    from k3verify.errors import UsageError
 
+    if args.world_size < 1:
+        raise UsageError(f"--world-size: expected an integer >= 1, got {args.world_size}")
+    if args.world_size > 1:
+        import k3verify.tp_runner  # noqa: F401  (registers the TP toggles)
     for name in args.toggle:
         registry.get(name)                       # unknown names: exit 2 before any work
     for name in args.scenario or ():
@@ -53,11 +61,13 @@ def run(args) -> int:
     model = load_model(args.model)
     con = console()
     results = verify.judge(model, args.toggle, args.scenario, scale=args.scale, seed=args.seed,
-                           progress=lambda msg: print(f"  running {msg}", file=sys.stderr))
+                           progress=lambda msg: print(f"  running {msg}", file=sys.stderr),
+                           world_size=args.world_size)
     run_id, default_dir = verify.default_report_dir("diff")
     out_dir = args.report_dir or default_dir
     report, paths = verify.write(out_dir, run_id, "k3verify " + " ".join(sys.argv[1:]), model,
-                                 [r.to_dict() for r in results], seeds={"scenario_seed": args.seed})
+                                 [r.to_dict() for r in results],
+                                 seeds={"scenario_seed": args.seed, "world_size": args.world_size})
     con.print(results_table(results, f"diff {', '.join(args.toggle)}"))
     for r in results:
         if r.status == "fail":

@@ -12,8 +12,10 @@ The arithmetic reuses the seeded fault behind the `mut_kda_state_bf16` mutant: t
 mutant claims an exact contract and must be caught bitwise; this toggle claims an
 approx contract and must be caught by its drift budget and quality.
 
-Registered when this module is imported; optimized_stack.toggles loads it with the
-other toggle modules.
+It is registered as kind "mutant" (a control that must be rejected) rather than as an
+optimization, so `k3verify selftest` and `k3verify all` demand that it is caught instead
+of demanding that it passes. Registered when this module is imported; optimized_stack.
+toggles loads it with the other toggle modules.
 """
 from __future__ import annotations
 
@@ -24,4 +26,5 @@ register(Toggle(
     name="kda_state_bf16", contract=APPROX_KERNEL, touches=("logits", "kda_state"),
     description="KDA recurrent state stored in bf16 between tokens (halves state memory; "
                 "deliberately lossy: must fail its drift budget and the quality gates)",
+    kind="mutant", caught_by=("drift_budget",), lives_in="kda/mixer",
     patch=_ops(kda_prefill=_recurrent_bf16_state)))
