@@ -29,7 +29,7 @@ FAULTS = {
     "mut_spec_gate_recompute": "speculative replay recomputes the gate from the layer (plain GEMM) instead of reusing it",
     "mut_spec_conv_not_compacted": "after a rejection the conv windows keep the rejected draft tokens",
     "mut_spec_accept_off_by_one": "greedy acceptance also keeps the first rejected draft token",
-    "mut_spec_replay_closed_form": "speculative replay uses the closed-form decayed sum, not the sequential recurrence",
+    "mut_spec_replay_closed_form": "speculative replay uses the chunked closed form, not the sequential recurrence",
 }
 
 # option -> the option it needs (one line errors name both)

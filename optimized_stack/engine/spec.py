@@ -35,6 +35,7 @@ from typing import Iterator
 import torch
 
 from ..config import KDA
+from ..kernels.kda_chunked import kda_chunked
 from ..model import ops
 from ..model.kda import KDATrace, kda_recurrent, kda_recurrent_trace, kda_replay
 from ..model.model import K3Model, RequestState
@@ -71,6 +72,8 @@ class SpecStats:
     drafted: int = 0                 # draft tokens scored
     accepted: int = 0                # draft tokens accepted (the bonus token not counted)
     emitted: int = 0                 # tokens emitted by verification steps (accepted + bonus)
+    rollbacks: int = 0               # verifications that kept fewer tokens than they ran
+    partial_rollbacks: int = 0       # ... and kept at least one draft (rollback past t_last)
 
     @property
     def mean_accepted(self) -> float:
@@ -91,6 +94,7 @@ class _Layer:
     windows: tuple[torch.Tensor, ...]              # conv windows before the step, 3 x [W-1, C]
     inputs: tuple[torch.Tensor, ...]               # pre-conv q, k, v projections, 3 x [T, C]
     x: torch.Tensor | None = None                  # the layer input (gate-recompute mutant only)
+    qvb: tuple[torch.Tensor, ...] = ()             # q, v, beta (closed-form mutant only)
     trace: KDATrace | None = None
     window_copies: tuple[torch.Tensor, ...] = ()   # copy_states: 3 x [T, W-1, C]
 
@@ -147,6 +151,7 @@ class Speculator:
             return
         keep_states = self.strategy == "copy_states"
         keep_x = "mut_spec_gate_recompute" in self.faults
+        keep_qvb = "mut_spec_replay_closed_form" in self.faults
         current: list[_Layer | None] = [None]
         passthrough = OPS.kda_prefill or kda_recurrent
 
@@ -170,6 +175,8 @@ class Speculator:
             if rec is None:
                 return passthrough(q, k, v, g, beta, state)
             o, final, rec.trace = kda_recurrent_trace(q, k, v, g, beta, state, keep_states=keep_states)
+            if keep_qvb:
+                rec.qvb = (q, v, beta)
             return o, final
 
         handles = [m.register_forward_pre_hook(pre_hook) for m in self.kda_layers.values()]
@@ -208,6 +215,8 @@ class Speculator:
         assert 1 <= kept <= t_len, f"rollback to {kept} of {t_len} verified tokens"
         if kept == t_len:
             return                              # everything verified was accepted: state is final
+        self.stats.rollbacks += 1
+        self.stats.partial_rollbacks += int(kept > 1)
         for layer, kst in st.kda.items():
             rec = record.layers[layer]
             assert rec.trace is not None, f"KDA layer {layer} ran without the recording scan"
@@ -233,7 +242,10 @@ class Speculator:
                 g, _ = self.kda_layers[layer].gates(rec.x)
             g = g[:kept]
         if "mut_spec_replay_closed_form" in self.faults:
-            return _closed_form(rec.checkpoint, k, u, g)
+            # the seeded fault: the chunked closed form (cumulative gates, one triangular
+            # solve) over the accepted tokens, equal to the recurrence only to rounding
+            q, v, beta = (t[:kept] for t in rec.qvb)
+            return kda_chunked(q, k, v, g, beta, rec.checkpoint)[1]
         return kda_replay(rec.checkpoint, k, u, g)
 
 
@@ -248,15 +260,6 @@ def _compact(window: torch.Tensor, inputs: torch.Tensor, kept: int) -> torch.Ten
 def _windows_after_each(window: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
     """copy_states: the conv window after every verified token -> [T, W-1, C]."""
     return torch.stack([_compact(window, inputs, t + 1) for t in range(inputs.shape[0])])
-
-
-def _closed_form(state: torch.Tensor, k: torch.Tensor, u: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """The mutant's replay: S_T = e^Γ_T S0 + sum_j (k_j e^(Γ_T - Γ_j)) u_j^T with Γ the
-    cumulative log-decay. Equal to the recurrence in exact arithmetic, not in fp32 bits."""
-    gam = g.float().cumsum(0)                                       # [T, H, K]
-    tail = torch.exp(gam[-1].unsqueeze(0) - gam)                    # [T, H, K]
-    return (torch.exp(gam[-1]).unsqueeze(-1) * state.float()
-            + torch.einsum("thk,thv->hkv", k * tail, u))
 
 
 def kda_state_bytes(num_layers: int, heads: int, head_dim: int, conv_taps: int, k: int | None,

@@ -39,8 +39,8 @@ _mut("mut_spec_gate_recompute", "spec_replay_ssm", "replay recomputes the gate f
      "torch's plain GEMM instead of reusing the stored gate (outputs may survive, the state drifts)",
      REPLAY, ("kda_state",), "kda/recurrent")
 _mut("mut_spec_conv_not_compacted", "spec_replay_ssm", "after a rejection the conv windows keep the "
-     "rejected draft tokens", REPLAY, ("kda_state",), "kda/conv")
+     "rejected draft tokens", REPLAY, ("kda_state", "logits"), "kda/conv")
 _mut("mut_spec_accept_off_by_one", "spec_copy_states", "greedy acceptance also keeps the first rejected "
      "draft token", COPY, ("tokens",), "engine/spec")
-_mut("mut_spec_replay_closed_form", "spec_replay_ssm", "replay via the closed-form decayed sum "
-     "(cumulative gates) instead of the sequential recurrence", REPLAY, ("kda_state",), "kda/recurrent")
+_mut("mut_spec_replay_closed_form", "spec_replay_ssm", "replay via the chunked closed form "
+     "(kernels.kda_chunked: cumulative gates, triangular solve) instead of the sequential recurrence", REPLAY, ("kda_state",), "kda/recurrent")

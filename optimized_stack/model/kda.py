@@ -65,6 +65,57 @@ def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     return out, state
 
 
+@dataclass
+class KDATrace:
+    """What the recurrence used per token, for speculative rollback (spec.py).
+    k [T, H, K] l2-normed key, u [T, H, V] the written delta, g [T, H, K] the log-decay;
+    states [T, H, K, V] the state after each token (only when asked for)."""
+
+    k: torch.Tensor
+    u: torch.Tensor
+    g: torch.Tensor
+    states: torch.Tensor | None = None
+
+
+def kda_recurrent_trace(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                        beta: torch.Tensor, initial_state: torch.Tensor | None = None,
+                        keep_states: bool = False) -> tuple[torch.Tensor, torch.Tensor, KDATrace]:
+    """`kda_recurrent` (the very same arithmetic, line for line) that also returns the
+    per-token (k, u, g) it used and, with keep_states, the state after every token."""
+    t_len, h, kd = q.shape
+    vd = v.shape[-1]
+    state = (torch.zeros(h, kd, vd, dtype=torch.float32, device=q.device) if initial_state is None
+             else initial_state.float().clone())
+    q, k, v, g, beta = q.float(), k.float(), v.float(), g.float(), beta.float()
+    out = torch.empty(t_len, h, vd, dtype=torch.float32, device=q.device)
+    us = torch.empty(t_len, h, vd, dtype=torch.float32, device=q.device)
+    states = torch.empty(t_len, h, kd, vd, dtype=torch.float32, device=q.device) if keep_states else None
+    decay = exp(g)                                            # [T, H, K]
+    for t in range(t_len):
+        state = state * decay[t].unsqueeze(-1)                      # [H, K, V]
+        kv = (state * k[t].unsqueeze(-1)).sum(1)                    # S^T k   [H, V]
+        u = beta[t].unsqueeze(-1) * (v[t] - kv)                     # [H, V]
+        state = state + k[t].unsqueeze(-1) * u.unsqueeze(1)         # k (outer) u
+        out[t] = (state * q[t].unsqueeze(-1)).sum(1)                # S^T q   [H, V]
+        us[t] = u
+        if states is not None:
+            states[t] = state
+    return out, state, KDATrace(k, us, g, states)
+
+
+def kda_replay(state: torch.Tensor, k: torch.Tensor, u: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Rebuild the state from a checkpoint [H, K, V] and stored per-token k [T, H, K],
+    u [T, H, V], g [T, H, K] by the same sequential update as the recurrence (decay, then
+    write): bit-identical to the recurrence's state after those T tokens. Returns a new
+    tensor (the checkpoint is not modified)."""
+    state = state.float().clone()
+    decay = exp(g.float())                                    # elementwise: same bits as in the scan
+    for t in range(k.shape[0]):
+        state = state * decay[t].unsqueeze(-1)
+        state = state + k[t].unsqueeze(-1) * u[t].unsqueeze(1)
+    return state
+
+
 def causal_conv(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv over time. x [T, C], window [W-1, C] (the last W-1 inputs),
@@ -166,4 +217,5 @@ class KDAttention(nn.Module):
         return self.output(x, o)
 
 
-__all__ = ["KDAttention", "KDAState", "kda_recurrent", "causal_conv", "ops"]
+__all__ = ["KDAttention", "KDAState", "KDATrace", "kda_recurrent", "kda_recurrent_trace", "kda_replay",
+           "causal_conv", "ops"]
