@@ -1,84 +1,68 @@
-"""Train a K3 preset (the embedded k3-mini) on gsm8k-synth and needle retrieval.
+"""Model-side training of a K3 preset: batched training forward, masked loss, AdamW loop.
 
-    python -m optimized_stack.train --out DIR --minutes M [--device cuda] [...]
+The model is `init_model(preset_config(preset), seed)` (or a checkpoint directory), the very
+modules of the reference path; the trained parameters are written with `save_checkpoint`, so
+they load into the reference model unchanged. Training runs a batched forward
+(`train_forward`) that walks the same layers with a batch dim: per-token work reuses the
+modules' own methods (KDA gates and output, MLA queries / cache rows / decompress, AttnRes
+mix, norms, GLU, router), and only the sequence ops differ: a chunked KDA in plain torch (or
+fla's chunk_kda) and torch SDPA. tests/test_train.py checks it against `K3Model.logits`.
 
-The model is `init_model(preset_config(preset), seed)`, the very modules of the reference
-path; the trained parameters are written with `save_checkpoint`, so they load into the
-reference model unchanged. Training runs a batched forward (`train_forward`) that walks the
-same layers with a batch dim: per-token work reuses the modules' own methods (KDA gates and
-output, MLA queries / cache rows / decompress, AttnRes mix, norms, GLU, router), and only
-the sequence ops differ: a chunked KDA in plain torch (or fla's chunk_kda) and torch SDPA. tests/test_train.py checks it against `K3Model.logits`.
-
-Data (byte tokens, built here from k3verify's generators; never the held-out splits):
-- gsm8k-synth train split as lm-eval's few-shot text, "Question: q\\nAnswer: a" joined by
-  "\\n\\n", as many pairs as fit one row;
-- needle cases (k3verify.evals.needle.make_case) with 0-3 distractors, then one extra
-  question per distractor; lengths follow a curriculum 1K-2K -> ... -> 4K-32K.
-Loss only on what the model must generate at eval time: every answer, the "\\n\\nQuestion:"
-after it (where generation stops), and the needle values. Question text and haystack are
-context: their numbers are random, so predicting them only spends a 1M-parameter budget.
+This module knows nothing about tasks or data sets: `fit` takes an iterator of steps, each a
+dict part name -> (ids [B, T], loss mask [B, T]). The entry point that builds the k3-mini
+data (gsm8k-synth, needle) from k3verify's generators is scripts/train_k3mini.py; this
+package never imports k3verify.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import multiprocessing as mp
 import os
-import random
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from .checkpoint import file_sha256, load_weights, read_state_dict, save_checkpoint
-from .errors import K3Error
+from .config import K3Config
+from .errors import CheckpointError, K3Error
 from .kernels import gpu_train_ops as gops
 from .model.attn_res import AttnResRead
-from .model.ops import l2_norm, override, plain_linear, rms_norm, situ, swiglu
+from .model.model import K3Model
+from .model.ops import l2_norm, rms_norm, situ, swiglu
 from .presets import PAD_ID, init_model, preset_config
 from .tokenizer import ByteTokenizer
 
-CURRICULUM = ((0.25, (1024, 2048)), (0.5, (1024, 2048, 4096, 8192)),
-              (0.75, (2048, 4096, 8192, 16384)), (1.01, (4096, 8192, 16384, 32768)))
-NEEDLE_TAIL = 512          # room after the prompt for the answer and distractor questions
-GSM_STOP = "\n\nQuestion:"  # trained after each answer: it is where eval generation stops
+OPTIM_FILE = "optim.pt"    # AdamW state next to the weights, for --init resume
 
 
 @dataclass
-class TrainConfig:
+class LoopConfig:
+    """What the optimisation loop needs; a data entry point extends it with its own fields."""
     out: str
     minutes: float = 6.0
     preset: str = "k3-mini"
     seed: int = 0
-    data_seed: int = 1000           # eval helpers use seeds 0..; training draws from 1000+
     device: str = "cuda"
     lr: float = 3e-3
     min_lr_frac: float = 0.05
     warmup_steps: int = 150
     weight_decay: float = 0.05
     grad_clip: float = 1.0
-    gsm_batch: int = 32
-    gsm_len: int = 3072
-    needle_tokens: int = 65536     # needle tokens per step (rows = tokens // length)
-    needle_weight: float = 1.0
     bias_update: float = 1e-3      # aux-loss-free router balancing step
-    workers: int = 6
     max_steps: int = 0             # 0: until the time is up
-    eval_every_s: float = 120.0
+    eval_every_s: float = 120.0    # also how often a partial checkpoint is written
     kda: str = "chunk"             # chunk (plain torch) | fla (chunk_kda) | recurrent
     amp: bool = True
-    init: str = ""                 # start from this checkpoint directory
-    needle_lengths: str = ""       # comma list: fixed needle lengths instead of CURRICULUM
-    eval_needle_lengths: str = "4096,16384,32768"
-    eval_gsm: int = 64             # held-out gsm prompts in the periodic teacher-forced eval
+    init: str = ""                 # start from this checkpoint dir (weights, and optim.pt if there)
 
     def __post_init__(self):
-        if self.minutes <= 0 or self.lr <= 0 or self.gsm_batch < 1 or self.gsm_len < 256:
-            raise K3Error(f"train config: expected positive minutes/lr, gsm_batch >= 1, "
-                          f"gsm_len >= 256; got {self.minutes}, {self.lr}, {self.gsm_batch}, {self.gsm_len}")
+        if self.minutes <= 0 or self.lr <= 0 or self.warmup_steps < 1:
+            raise K3Error(f"train config: expected positive minutes, lr and warmup_steps; "
+                          f"got {self.minutes}, {self.lr}, {self.warmup_steps}")
         if self.kda not in ("chunk", "fla", "recurrent"):
             raise K3Error(f"--kda must be chunk, fla or recurrent, got {self.kda!r}")
 
@@ -217,104 +201,27 @@ def masked_loss(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor):
     return loss, wrong == 0
 
 
-# ---- data -----------------------------------------------------------------------------
-
-def _enc(text: str) -> list[int]:
-    return list(text.encode("utf-8"))
-
-
-def gsm_row(rows, length: int) -> tuple[list[int], list[float]]:
-    """Few-shot text of gsm8k rows as lm-eval renders it, as many pairs as fit `length`."""
-    ids, mask = [], []
-    for n, row in enumerate(rows):
-        prefix = ("\n\n" if n else "") + f"Question: {row['question']}\nAnswer:"
-        p, a = _enc(prefix), _enc(" " + row["answer"])
-        if len(ids) + len(p) + len(a) > length:
-            break
-        stop = len(GSM_STOP) if n else 0            # the stop after the previous answer
-        ids += p + a
-        mask += [1.0] * stop + [0.0] * (len(p) - stop) + [1.0] * len(a)
-    return ids, mask
-
-
-def gsm_prompt(shots: list[dict], row: dict) -> str:
-    """lm-eval's gsm8k prompt: the shots with their answers, then the question."""
-    parts = [f"Question: {s['question']}\nAnswer: {s['answer']}" for s in shots]
-    return "\n\n".join(parts + [f"Question: {row['question']}\nAnswer:"])
-
-
-def needle_row(length: int, rng: random.Random) -> tuple[list[int], list[float]]:
-    """A needle case, its answer, then one more question per distractor (all answers trained)."""
-    from k3verify.evals import needle as nd
-
-    case = nd.make_case(length, rng.random(), seed=rng.randrange(10**6, 10**9),
-                        n_distractors=rng.choice((0, 0, 1, 2, 3)))
-    ids, mask = _enc(case.prompt), [0.0] * len(_enc(case.prompt))
-    qa = [(None, case.answer)] + [(d.key, d.value) for d in case.distractors]
-    for key, value in qa:
-        if key is not None:
-            q = _enc(nd.QUESTION.format(key=key) + nd.ANSWER_PREFIX.format(key=key))
-            ids, mask = ids + q, mask + [0.0] * len(q)
-        a = _enc(f" {value}.")
-        ids, mask = ids + a, mask + [1.0] * len(a)
-    return ids, mask
-
-
 def pad_batch(rows: list[tuple[list[int], list[float]]], length: int):
+    """(ids, mask) rows -> ids [B, length] (PAD filled), mask [B, length]; longer rows are cut."""
     ids = torch.full((len(rows), length), PAD_ID, dtype=torch.long)
     mask = torch.zeros(len(rows), length)
     for i, (r, m) in enumerate(rows):
         r, m = r[:length], m[:length]
-        ids[i, :len(r)] = torch.tensor(r)
+        ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
         mask[i, :len(m)] = torch.tensor(m)
     return ids, mask
 
 
-class StepData(torch.utils.data.IterableDataset):
-    """Endless (gsm ids, gsm mask, needle ids, needle mask) steps; the curriculum reads the
-    run's progress from a shared value the training loop updates."""
+# ---- model, optimizer, checkpoints ----------------------------------------------------
 
-    def __init__(self, cfg: TrainConfig, progress):
-        self.cfg, self.progress = cfg, progress
+def build_model(cfg: LoopConfig) -> K3Model:
+    """The preset's seeded init, or the checkpoint in cfg.init (its own config.json)."""
+    if not cfg.init:
+        return init_model(preset_config(cfg.preset), seed=cfg.seed)
+    model = K3Model(K3Config.from_file(Path(cfg.init)))
+    load_weights(model, read_state_dict(cfg.init))
+    return model
 
-    def __iter__(self):
-        from k3verify.evals import gsm8k_synth
-
-        info = torch.utils.data.get_worker_info()
-        wid = info.id if info else 0
-        rng = random.Random(self.cfg.data_seed * 1000 + wid)
-        pool: list[dict] = []
-        while True:
-            rows = []
-            for _ in range(self.cfg.gsm_batch):
-                while len(pool) < 32:
-                    diff = rng.choices((1, 2, 3), (0.15, 0.7, 0.15))[0]
-                    pool += gsm8k_synth.generate("train", 64, seed=rng.randrange(self.cfg.data_seed, 2**31),
-                                                 difficulty=diff)
-                    rng.shuffle(pool)
-                r = gsm_row(pool, self.cfg.gsm_len)
-                del pool[:max(1, _pairs(r[0]))]
-                rows.append(r)
-            g_ids, g_mask = pad_batch(rows, self.cfg.gsm_len)
-            lengths = (_ints(self.cfg.needle_lengths) or
-                       next(ls for edge, ls in CURRICULUM if self.progress.value < edge))
-            length = rng.choice(lengths)
-            n_rows = max(1, self.cfg.needle_tokens // (length + NEEDLE_TAIL))
-            n_ids, n_mask = pad_batch([needle_row(length, rng) for _ in range(n_rows)],
-                                      length + NEEDLE_TAIL)
-            yield g_ids, g_mask, n_ids, n_mask
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x.strip())
-
-
-def _pairs(ids: list[int]) -> int:
-    """How many question/answer pairs a gsm row holds (each starts with 'Question:')."""
-    return bytes(ids).count(b"Question:")
-
-
-# ---- training loop --------------------------------------------------------------------
 
 def _param_groups(model, wd: float):
     decay, plain = [], []
@@ -327,24 +234,46 @@ def _param_groups(model, wd: float):
     return [{"params": decay, "weight_decay": wd}, {"params": plain, "weight_decay": 0.0}]
 
 
+def make_optimizer(model, cfg: LoopConfig) -> torch.optim.AdamW:
+    """AdamW over _param_groups; with cfg.init holding optim.pt, its moments and step counts
+    are restored (a resumed run continues the same optimizer, not a cold one)."""
+    opt = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95),
+                            eps=1e-8, fused=torch.device(cfg.device).type == "cuda")
+    path = Path(cfg.init) / OPTIM_FILE if cfg.init else None
+    if path is not None and path.is_file():
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            opt.load_state_dict(state)
+        except (ValueError, KeyError) as exc:
+            raise CheckpointError(f"{path}: expected the AdamW state of this model's parameter "
+                                  f"groups, got one that does not fit ({exc})") from None
+    return opt
+
+
 def _write(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
 
 
-def write_model_dir(model, out: Path, cfg: TrainConfig, log_lines: list[str], metrics: dict) -> dict:
-    """config, safetensors, tokenizer, train config, log, metrics, manifest (sha256 of each)."""
+def write_model_dir(model, out: Path, run_config: dict, log_lines: list[str], metrics: dict,
+                    provenance: dict, opt: torch.optim.Optimizer | None = None) -> dict:
+    """config, safetensors, tokenizer, train config, log, metrics, manifest (sha256 of each
+    listed file) and, with opt, optim.pt (not in the manifest: resume state, not the model)."""
+    out.mkdir(parents=True, exist_ok=True)
     save_checkpoint(model, out)                       # copies parameters to the CPU itself
     ByteTokenizer().save(out)
-    _write(out / "train_config.json", json.dumps(asdict(cfg), indent=2) + "\n")
+    _write(out / "train_config.json", json.dumps(run_config, indent=2) + "\n")
     _write(out / "train_log.txt", "\n".join(log_lines) + "\n")
     _write(out / "metrics.json", json.dumps(metrics, indent=2) + "\n")
+    if opt is not None:
+        tmp = out / (OPTIM_FILE + ".tmp")
+        torch.save(opt.state_dict(), tmp)
+        os.replace(tmp, out / OPTIM_FILE)
     files = sorted(p.name for p in out.iterdir() if p.is_file() and p.suffix in (".json", ".txt", ".safetensors")
                    and p.name != "manifest.json")
-    manifest = {"name": cfg.preset, "files": {f: file_sha256(out / f) for f in files},
-                "provenance": {"kind": "trained", "command": "bash scripts/gpu_train.sh",
-                               "seed": cfg.seed, "data_seed": cfg.data_seed}}
+    manifest = {"name": run_config.get("preset", out.name),
+                "files": {f: file_sha256(out / f) for f in files}, "provenance": provenance}
     _write(out / "manifest.json", json.dumps(manifest, indent=2) + "\n")
     return manifest
 
@@ -361,78 +290,68 @@ def teacher_forced_eval(model, ops: SeqOps, batches) -> float:
     return hits / max(1, total)
 
 
-def eval_sets(lengths=(4096, 16384, 32768), n_gsm: int = 64, n_needle: int = 4):
-    """Held-out monitors: gsm8k-synth test questions (5 shots from train seed 0, as the eval)
-    and needle cases at the eval's seeds. Never trained on."""
-    from k3verify.evals import gsm8k_synth
-    from k3verify.evals import needle as nd
+# ---- the loop -------------------------------------------------------------------------
 
-    shots_pool = gsm8k_synth.generate("train", 200, seed=0)
-    rng = random.Random(1234)
-    rows = []
-    for row in gsm8k_synth.generate("test", n_gsm, seed=0):  # n_gsm 0: no gsm monitor
-        p, a = _enc(gsm_prompt(rng.sample(shots_pool, 5), row)), _enc(" " + row["answer"] + "\n")
-        rows.append((p + a, [0.0] * len(p) + [1.0] * len(a)))
-    length = max((len(r) for r, _ in rows), default=0)
-    gsm = [pad_batch(rows[i:i + 16], length) for i in range(0, len(rows), 16)]
-    needles = {}
-    for L in lengths:
-        cases = [nd.make_case(L, d, seed=0) for d in [i / max(1, n_needle - 1) for i in range(n_needle)]]
-        rs = [(_enc(c.prompt) + _enc(f" {c.answer}."), [0.0] * len(_enc(c.prompt)) + [1.0] * 9) for c in cases]
-        needles[L] = [pad_batch(rs[i:i + max(1, 65536 // L)], L + 64) for i in range(0, len(rs), max(1, 65536 // L))]
-    return gsm, needles
+Step = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
-def train(cfg: TrainConfig) -> dict:
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(cfg.seed)
-    model = init_model(preset_config(cfg.preset), seed=cfg.seed)
-    if cfg.init:
-        load_weights(model, read_state_dict(cfg.init))
-    progress = mp.Value("d", 0.0)
-    loader = torch.utils.data.DataLoader(StepData(cfg, progress), batch_size=None,
-                                         num_workers=cfg.workers, prefetch_factor=4 if cfg.workers else None,
-                                         pin_memory=cfg.device.startswith("cuda"))
+def lr_at(cfg: LoopConfig, step: int, frac: float) -> float:
+    """Linear warmup over warmup_steps, then cosine to min_lr_frac * lr over the time budget."""
+    return cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) * (
+        cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+
+
+def fit(model, opt: torch.optim.Optimizer, steps: Iterable[Step], cfg: LoopConfig, *,
+        weights: dict[str, float] | None = None,
+        on_progress: Callable[[float], None] | None = None,
+        evaluate: Callable[[object, SeqOps], dict] | None = None,
+        checkpoint: Callable[[dict], None] | None = None,
+        say: Callable[[str], None] = print) -> dict:
+    """Train until cfg.minutes (or cfg.max_steps) are spent; returns the final metrics.
+
+    Each step's parts are forwarded and backpropagated one after another (the loss of part
+    p scaled by weights[p], default 1), then one clipped AdamW step. on_progress(frac) gets
+    the elapsed fraction (a curriculum reads it); evaluate(model, ops) runs every
+    cfg.eval_every_s and at the end, each time followed by checkpoint(metrics).
+    """
+    weights = weights or {}
     model.to(cfg.device).train()
     ops = SeqOps(cfg.device, cfg.kda, cfg.amp)
     ops.loads = [] if cfg.bias_update > 0 else None
-    opt = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95),
-                            eps=1e-8, fused=cfg.device.startswith("cuda"))
     biases = [mod.gate.e_score_correction_bias for mod in model.modules() if hasattr(mod, "gate")
               and hasattr(mod.gate, "e_score_correction_bias")]
     amp = torch.autocast(torch.device(cfg.device).type, dtype=torch.bfloat16, enabled=ops.dtype == torch.bfloat16)
     budget = cfg.minutes * 60.0
-    log: list[str] = [f"config {json.dumps(asdict(cfg))}"]
+    start = last_eval = time.time()
+    tokens = step = 0
+    window = (start, 0)
 
-    def say(line: str) -> None:
-        log.append(line)
-        print(line, flush=True)
+    def run_eval() -> dict:
+        model.eval()
+        metrics = dict(evaluate(model, ops) if evaluate else {}, steps=step, tokens=tokens)
+        say(f"eval step {step} " + " ".join(f"{k} {v:.3f}" for k, v in metrics.items()
+                                            if isinstance(v, float)))
+        model.train()
+        return metrics
 
-    gsm_eval, needle_eval = eval_sets(_ints(cfg.eval_needle_lengths), cfg.eval_gsm)
-    say(f"params {sum(p.numel() for p in model.parameters())} device {cfg.device} kda {ops.kda_kind}")
-    start, last_eval, tokens, step = time.time(), time.time(), 0, 0
-    window = (time.time(), 0)
-    metrics: dict = {}
-    for g_ids, g_mask, n_ids, n_mask in loader:
-        elapsed = time.time() - start
-        frac = elapsed / budget
+    for parts in steps:
+        frac = (time.time() - start) / budget
         if frac >= 1.0 or (cfg.max_steps and step >= cfg.max_steps):
             break
-        progress.value = frac
-        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) * (
-            cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * frac)))
+        if on_progress:
+            on_progress(frac)
+        lr = lr_at(cfg, step, frac)
         for group in opt.param_groups:
             group["lr"] = lr
-        dev = cfg.device
-        with amp:
-            g_ids, g_mask = g_ids.to(dev, non_blocking=True), g_mask.to(dev, non_blocking=True)
-            loss_g, _ = masked_loss(train_forward(model, g_ids, ops), g_ids, g_mask)
-        loss_g.backward()
-        with amp:
-            n_ids, n_mask = n_ids.to(dev, non_blocking=True), n_mask.to(dev, non_blocking=True)
-            loss_n, _ = masked_loss(train_forward(model, n_ids, ops), n_ids, n_mask)
-        (cfg.needle_weight * loss_n).backward()
+        losses, lengths = {}, {}
+        for name, (ids, mask) in parts.items():
+            with amp:
+                ids = ids.to(cfg.device, non_blocking=True)
+                mask = mask.to(cfg.device, non_blocking=True)
+                loss, _ = masked_loss(train_forward(model, ids, ops), ids, mask)
+            (weights.get(name, 1.0) * loss).backward()   # per part: frees its graph early
+            losses[name], lengths[name] = loss.detach(), ids.shape[1]
+            tokens += ids.numel()
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -442,61 +361,23 @@ def train(cfg: TrainConfig) -> dict:
                     bias += cfg.bias_update * torch.sign(load.float().mean() - load.float())
             ops.loads.clear()
         step += 1
-        tokens += g_ids.numel() + n_ids.numel()
         if step % 50 == 0 or step == 1:
             now = time.time()
             tps = (tokens - window[1]) / max(1e-9, now - window[0])
             window = (now, tokens)
-            say(f"step {step} t {now - start:.0f}s lr {lr:.2e} loss_gsm {loss_g.item():.4f} "
-                f"loss_needle {loss_n.item():.4f} needle_len {n_ids.shape[1]} gnorm {gnorm.item():.2f} "
-                f"tok/s {tps:.0f}")
+            say(f"step {step} t {now - start:.0f}s lr {lr:.2e} "
+                + " ".join(f"loss_{n} {v.item():.4f}" for n, v in losses.items())
+                + " " + " ".join(f"len_{n} {t}" for n, t in lengths.items())
+                + f" gnorm {gnorm.item():.2f} tok/s {tps:.0f}")
         if time.time() - last_eval > cfg.eval_every_s:
+            metrics = run_eval()
+            if checkpoint:
+                checkpoint(metrics)                  # partial result, in case the run is cut
             last_eval = time.time()
-            metrics = _evaluate(model, ops, gsm_eval, needle_eval, say, step)
-            write_model_dir(model, out, cfg, log, dict(metrics, steps=step))   # partial result
-            model.train()
     total = time.time() - start
-    metrics = _evaluate(model, ops, gsm_eval, needle_eval, say, step)
-    metrics.update(steps=step, tokens=tokens, seconds=round(total, 1),
-                   tokens_per_s=round(tokens / max(total, 1e-9)))
+    metrics = run_eval()
+    metrics.update(seconds=round(total, 1), tokens_per_s=round(tokens / max(total, 1e-9)))
     say(f"done steps {step} tokens {tokens} seconds {total:.0f} tok/s {tokens / max(total, 1e-9):.0f}")
-    torch.save(opt.state_dict(), out / "optim.pt")
-    write_model_dir(model, out, cfg, log, metrics)
+    if checkpoint:
+        checkpoint(metrics)
     return metrics
-
-
-def _evaluate(model, ops, gsm_eval, needle_eval, say, step) -> dict:
-    model.eval()
-    m = {"gsm_tf_exact": teacher_forced_eval(model, ops, gsm_eval)} if gsm_eval else {}
-    for L, batches in needle_eval.items():
-        m[f"needle_tf_{L}"] = teacher_forced_eval(model, ops, batches)
-    say(f"eval step {step} " + " ".join(f"{k} {v:.3f}" for k, v in m.items()))
-    return m
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m optimized_stack.train", description=__doc__.split("\n")[0])
-    for f in TrainConfig.__dataclass_fields__.values():
-        flag = "--" + f.name.replace("_", "-")
-        if f.name == "out":
-            ap.add_argument(flag, required=True)
-        elif f.type == "bool":
-            ap.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-        else:
-            ap.add_argument(flag, type={"int": int, "float": float}.get(f.type, str), default=f.default)
-    args = ap.parse_args(argv)
-    try:
-        cfg = TrainConfig(**vars(args))
-    except K3Error as exc:
-        ap.error(str(exc))
-    if not cfg.device.startswith("cuda"):
-        with override(linear=plain_linear):          # row-stable tiles are for inference
-            metrics = train(cfg)
-    else:
-        metrics = train(cfg)
-    print(json.dumps(metrics))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

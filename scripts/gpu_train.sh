@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one command run on the device (H200) for issue 7: train k3-mini, write it to $OUT.
 #   bash scripts/gpu_train.sh smoke [MINUTES]  # op self-check + ~1 min of training, no evals
-#   bash scripts/gpu_train.sh train MINUTES [extra train.py flags]
+#   bash scripts/gpu_train.sh train MINUTES [extra scripts/train_k3mini.py flags]
+#   resume: ... train MINUTES --init DIR   (DIR: a model dir, plus optim.pt to keep AdamW's state)
 # Both start with the op self-check (chunked KDA vs the recurrence, SDPA vs plain softmax).
 # fla-core is optional (--kda fla): carry its wheel in .whl/ to use it.
 set -euo pipefail
@@ -20,9 +21,10 @@ import json, torch, sys; sys.setrecursionlimit(10000)
 from optimized_stack.kernels.gpu_train_ops import self_check
 print('torch', torch.__version__, 'selfcheck', json.dumps(self_check('cuda')), flush=True)"
 if [ "$mode" = smoke ]; then
-  python3 -m optimized_stack.train --out "$OUT/ckpt" --minutes "${2:-1.2}" --eval-every-s 1e9 "${@:3}"
+  python3 scripts/train_k3mini.py --out "$OUT/ckpt" --minutes "${2:-1.2}" --eval-every-s 1e9 "${@:3}"
 else
-  # $OUT/ckpt gets the 8 files the device tool can return: the model dir plus optim.pt
-  python3 -m optimized_stack.train --out "$OUT/ckpt" --minutes "${2:-6}" "${@:3}"
+  # $OUT/ckpt gets the 8 files the device tool can return: the model dir plus optim.pt,
+  # rewritten at every eval (--eval-every-s), so a run cut by its time limit still returns weights
+  python3 scripts/train_k3mini.py --out "$OUT/ckpt" --minutes "${2:-6}" "${@:3}"
 fi
 ls -la "$OUT" "$OUT/ckpt" || true

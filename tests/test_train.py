@@ -1,9 +1,15 @@
-"""optimized_stack.train on the CPU: the batched training forward is the reference model's
-math, a few AdamW steps lower the loss, and the saved checkpoint loads and runs."""
+"""Training on the CPU: the batched training forward (optimized_stack/train.py) is the
+reference model's math, a few AdamW steps lower the loss, the saved checkpoint loads and
+runs, --init resumes weights and optimizer state, and the data entry point
+(scripts/train_k3mini.py) renders gsm8k-synth / needle rows as the evals read them."""
 from __future__ import annotations
 
+import ast
 import dataclasses
+import importlib.util
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +21,12 @@ from optimized_stack.kernels import gpu_train_ops as gops
 from optimized_stack.model.ops import override, plain_linear
 from optimized_stack.presets import init_model, preset_config
 from optimized_stack.tokenizer import ByteTokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("train_k3mini", ROOT / "scripts" / "train_k3mini.py")
+script = importlib.util.module_from_spec(_spec)
+sys.modules["train_k3mini"] = script      # dataclasses look their module up by name
+_spec.loader.exec_module(script)
 
 
 @pytest.fixture(autouse=True)
@@ -132,15 +144,15 @@ def test_masked_loss_counts_only_targets_and_exact_match():
 def test_gsm_row_is_lm_eval_fewshot_text_with_answers_as_targets():
     rows = [{"question": "Q1?", "answer": "1 + 1 = 2\n#### 2"},
             {"question": "Q2?", "answer": "#### 5"}, {"question": "Q3 long" * 50, "answer": "#### 9"}]
-    ids, mask = tr.gsm_row(rows, 80)
+    ids, mask = script.gsm_row(rows, 80)
     assert bytes(ids).decode() == "Question: Q1?\nAnswer: 1 + 1 = 2\n#### 2\n\nQuestion: Q2?\nAnswer: #### 5"
     targets = bytes(i for i, m in zip(ids, mask) if m).decode()
     assert targets == " 1 + 1 = 2\n#### 2\n\nQuestion: #### 5"
-    assert tr.gsm_prompt(rows[:1], rows[1]) == "Question: Q1?\nAnswer: 1 + 1 = 2\n#### 2\n\nQuestion: Q2?\nAnswer:"
+    assert script.gsm_prompt(rows[:1], rows[1]) == "Question: Q1?\nAnswer: 1 + 1 = 2\n#### 2\n\nQuestion: Q2?\nAnswer:"
 
 
 def test_needle_row_trains_every_value():
-    ids, mask = tr.needle_row(1500, random.Random(3))
+    ids, mask = script.needle_row(1500, random.Random(3))
     targets = bytes(i for i, m in zip(ids, mask) if m).decode()
     assert targets.startswith(" ") and targets.count(".") >= 1
     digits = targets.replace(" ", "").split(".")[:-1]
@@ -150,4 +162,77 @@ def test_needle_row_trains_every_value():
 
 def test_bad_train_config_is_one_line():
     with pytest.raises(Exception, match="--kda must be chunk, fla or recurrent"):
-        tr.TrainConfig(out="x", kda="fast")
+        tr.LoopConfig(out="x", kda="fast")
+    with pytest.raises(Exception, match="--gsm-difficulty: expected 3 non-negative weights"):
+        script.TrainConfig(out="x", gsm_difficulty="1,2")
+
+
+def _k3verify_imports(source: str) -> list[str]:
+    names = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.append(node.module or "")
+    return [n for n in names if n.split(".")[0] == "k3verify"]
+
+
+def test_optimized_stack_train_never_imports_k3verify():
+    assert _k3verify_imports((ROOT / "optimized_stack" / "train.py").read_text()) == []
+    # negative control: an import inside a function body is found too
+    assert _k3verify_imports("def f():\n    from k3verify.evals import needle\n") == ["k3verify.evals"]
+
+
+def _fixed_steps(n_steps):
+    ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
+    part = (ids, torch.ones(2, 48))
+    return iter([{"a": part, "b": part}] * n_steps)
+
+
+def test_fit_writes_a_checkpoint_and_init_resumes_weights_and_optimizer(tmp_path):
+    mcfg = _tiny_cfg()
+    loop = tr.LoopConfig(out=str(tmp_path / "run1"), device="cpu", minutes=5, max_steps=3,
+                         warmup_steps=1, lr=1e-2, amp=False)
+    model = _model(0, mcfg)
+    opt = tr.make_optimizer(model, loop)
+    seen, lines = [], []
+
+    def checkpoint(metrics):
+        tr.write_model_dir(model, Path(loop.out), dataclasses.asdict(loop), lines, metrics, {"kind": "test"}, opt)
+
+    with override(linear=plain_linear):
+        metrics = tr.fit(model, opt, _fixed_steps(5), loop, weights={"b": 0.5},
+                         on_progress=seen.append, checkpoint=checkpoint, say=lines.append)
+    assert metrics["steps"] == 3 and metrics["tokens"] == 3 * 2 * 2 * 48 and len(seen) == 3
+    assert any("loss_a" in line and "loss_b" in line for line in lines)
+    run1 = Path(loop.out)
+    assert (run1 / tr.OPTIM_FILE).is_file() and "optim.pt" not in (run1 / "manifest.json").read_text()
+    resumed_cfg = dataclasses.replace(loop, init=str(run1))
+    resumed = tr.build_model(resumed_cfg)
+    for (name, a), b in zip(model.named_parameters(), resumed.parameters()):
+        assert torch.equal(a.detach(), b.detach()), name
+    opt2 = tr.make_optimizer(resumed, resumed_cfg)
+    steps = [float(s["step"]) for s in opt2.state_dict()["state"].values()]
+    assert steps and all(s == 3.0 for s in steps)
+    # negative control: a weights-only dir (no optim.pt) gives a cold optimizer
+    (run1 / tr.OPTIM_FILE).unlink()
+    assert tr.make_optimizer(tr.build_model(resumed_cfg), resumed_cfg).state_dict()["state"] == {}
+
+
+def test_init_with_a_foreign_optimizer_state_is_one_line(tmp_path):
+    model = _model(0, _tiny_cfg())
+    save_checkpoint(model, tmp_path)
+    torch.save({"state": {}, "param_groups": [{"params": [0]}]}, tmp_path / tr.OPTIM_FILE)
+    cfg = tr.LoopConfig(out="x", device="cpu", init=str(tmp_path))
+    with pytest.raises(Exception, match="expected the AdamW state of this model's parameter groups"):
+        tr.make_optimizer(tr.build_model(cfg), cfg)
+
+
+def test_step_data_yields_gsm_and_needle_parts():
+    cfg = script.TrainConfig(out="x", gsm_batch=2, gsm_len=512, needle_tokens=2048,
+                             needle_lengths="1024", workers=0)
+    step = next(iter(script.StepData(cfg, type("P", (), {"value": 0.0})())))
+    assert set(step) == {"gsm", "needle"}
+    assert step["gsm"][0].shape == (2, 512) and step["needle"][0].shape == (1, 1024 + script.NEEDLE_TAIL)
+    no_needle = dataclasses.replace(cfg, needle_tokens=0)
+    assert set(next(iter(script.StepData(no_needle, type("P", (), {"value": 0.0})())))) == {"gsm"}
