@@ -1,0 +1,62 @@
+"""`k3verify golden record|update|check`: has the reference path itself drifted?
+
+record/update: run the reference path on the fixed golden scenarios and write their
+capture hashes to golden/hashes/<numerics-env>.json with the reason (required).
+check: re-run and compare; exit 0 when bit-identical, 1 with the first divergent
+location (scenario, request, position/step, tensor, layer) when not; a numerics
+environment with no recorded hashes is a skip with the reason (exit 0), because bits
+legitimately differ across torch builds, SIMD levels, devices, dtypes and thread counts.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.table import Table
+
+from k3verify.commands import add_json_flag, add_model_flag, console, emit_json
+from k3verify.errors import UsageError
+
+NAME = "golden"
+HELP = "record or check the reference path's golden capture hashes for this numerics environment"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("action", choices=("record", "update", "check"),
+                        help="record/update: (re)write this environment's hashes; check: compare against them")
+    parser.add_argument("--reason", default=None, help="why the hashes are (re)recorded (required for record/update)")
+    parser.add_argument("--dir", type=Path, default=None, metavar="DIR", help="golden hash directory (default golden/hashes)")
+    add_model_flag(parser)
+    add_json_flag(parser)
+
+
+def run(args) -> int:
+    from optimized_stack import load_model
+
+    from k3verify import golden_hashes as gh
+
+    directory = args.dir or gh.GOLDEN_DIR
+    model = load_model(args.model)
+    con = console()
+    key = gh.env_key(gh.numerics_environment(model))
+    if args.action in ("record", "update"):
+        if not args.reason:
+            raise UsageError(f"golden {args.action} needs --reason TEXT: say why the reference hashes change")
+        path = gh.record(model, args.reason, directory)
+        con.print(f"recorded golden hashes for {gh.model_id(model)[:30]} on {key}: {path}")
+        if args.json:
+            emit_json({"action": args.action, "env_key": key, "path": str(path)})
+        return 0
+    gc = gh.check(model, directory)
+    table = Table(title=f"golden check ({key})")
+    for col in ("scenario", "status", "reason"):
+        table.add_column(col, overflow="fold")
+    for v in gc.scenarios:
+        table.add_row(v.scenario, v.status, v.reason)
+    if gc.scenarios:
+        con.print(table)
+    con.print(f"golden: {gc.status}: {gc.reason}")
+    if args.json:
+        emit_json({"status": gc.status, "reason": gc.reason, "env_key": gc.env_key, "path": gc.path,
+                   "scenarios": [{"scenario": v.scenario, "status": v.status, "first_divergence": v.first_divergence}
+                                 for v in gc.scenarios]})
+    return 1 if gc.status == "fail" else 0

@@ -1,0 +1,47 @@
+"""`k3verify signoff [--run RUN_ID | --report PATH] [--out FILE]`: the release sign-off document.
+
+Reads a `k3verify all` report (release or premerge suite) and writes one Markdown
+document: model and environment fingerprint, each toggle's verdict with evidence and
+counted speedup, quality gates with intervals, golden status, open risks, the report's
+sha256, and a last line SIGNED-OFF or NOT SIGNED-OFF. Exit 0 when signed off, 1 when not.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from k3verify.commands import add_json_flag, console, emit_json
+from k3verify.errors import UsageError
+
+NAME = "signoff"
+HELP = "write the release sign-off document from a `k3verify all` report; exit 1 unless signed off"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def add_arguments(parser) -> None:
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run", metavar="RUN_ID", help="a run under reports/")
+    src.add_argument("--report", type=Path, metavar="PATH", help="a report.json or the run directory holding it")
+    parser.add_argument("--out", type=Path, metavar="FILE", help="where to write (default: signoff.md beside the report)")
+    add_json_flag(parser)
+
+
+def run(args) -> int:
+    from k3verify.io import atomic_write_text
+    from k3verify.report import load_report
+    from k3verify.signoff import problems, render_signoff, report_sha256
+
+    path = args.report if args.report is not None else REPO / "reports" / args.run
+    if args.run is not None and not path.is_dir():
+        raise UsageError(f"no run {args.run!r} under {REPO / 'reports'}")
+    report = load_report(path)
+    text, signed = render_signoff(report)
+    out = args.out or (path if path.is_dir() else path.parent) / "signoff.md"
+    atomic_write_text(out, text)
+    con = console()
+    for p in problems(report):
+        con.print(f"  blocks sign-off: {p}")
+    con.print(f"{'SIGNED-OFF' if signed else 'NOT SIGNED-OFF'}  document: {out}")
+    if args.json:
+        emit_json({"signed_off": signed, "document": str(out), "report_sha256": report_sha256(report),
+                   "problems": problems(report)})
+    return 0 if signed else 1

@@ -1,0 +1,209 @@
+"""Golden reference hashes: has the reference path itself drifted?
+
+`record` runs the reference path (no toggles) on a fixed small scenario set and stores
+each scenario's capture hashes (Capture.to_json: every logit row, every KDA state
+point, MLA rows at the end, the token streams) in golden/hashes/<env-key>.json.
+`check` re-runs and compares with the gate's own comparator (gate.compare_captures),
+so a torch upgrade or a "harmless" refactor of a reference op that changes bits is
+reported with its location: scenario, request, position/step, tensor, layer.
+
+Bits legitimately differ across numerics environments (torch version, CPU SIMD level,
+device, dtype, thread count), so the file is keyed by those; a check in an environment
+with no file is a skip that says so, never a failure. One file holds several models,
+keyed by the weights' sha256 (or the preset name and seed), because retraining the
+embedded model is a deliberate change that needs a new record, not a drift.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import workloads
+from .capture import Capture
+from .errors import UsageError
+from .gate import EXACT_CHECKS, compare_captures
+from .io import atomic_write_json
+from .report.environment import model_fingerprint
+from .runner import run_scenario
+
+GOLDEN_FORMAT = "k3verify.golden"
+GOLDEN_VERSION = 1
+GOLDEN_DIR = Path(__file__).resolve().parent.parent / "golden" / "hashes"
+# (scenario, scale): one short request, and one 383-token prompt that crosses several
+# KDA chunks, MLA blocks and AttnRes blocks; together ~10 s of reference compute on 2 cores.
+GOLDEN_SCENARIOS: tuple[tuple[str, float], ...] = (("single", 1.0), ("long_prompt", 0.25))
+
+
+def numerics_environment(model) -> dict[str, Any]:
+    """What decides the reference path's bits: torch build, SIMD level, device, dtype, threads."""
+    p = next(model.parameters())
+    device = p.device.type
+    return {
+        "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "device": device if device != "cuda" else f"cuda:{torch.cuda.get_device_name(p.device)}",
+        "dtype": str(p.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def env_key(env: dict[str, Any]) -> str:
+    """'torch2.13.0_cpu-cpu-avx512-float32-t2': safe as a file name, readable in a listing."""
+    raw = f"torch{env['torch']}-{env['device']}-{env['cpu_capability']}-{env['dtype']}-t{env['threads']}"
+    return re.sub(r"[^a-z0-9.-]+", "_", raw.lower())
+
+
+def model_id(model) -> str:
+    fp = model_fingerprint(model)
+    return f"sha256:{fp['sha256']}" if fp.get("sha256") else str(fp.get("source") or "unknown")
+
+
+def _prompt_digest(scenario) -> str:
+    h = hashlib.sha256()
+    for r in scenario.requests:
+        h.update(f"{r.request_id}:{r.max_new_tokens}:{','.join(map(str, r.prompt_ids))};".encode())
+    return h.hexdigest()
+
+
+def _vocab(model) -> int:
+    return min(256, model.config.vocab_size)
+
+
+def capture_reference(model, scenarios: tuple[tuple[str, float], ...] | None = None) -> dict[str, dict[str, Any]]:
+    """scenario name -> {"scale", "prompts_sha256", "capture": Capture.to_json()} of the reference path."""
+    out = {}
+    for name, scale in scenarios or GOLDEN_SCENARIOS:
+        sc = workloads.build(name, scale=scale, vocab=_vocab(model))
+        out[name] = {"scale": scale, "prompts_sha256": _prompt_digest(sc),
+                     "capture": run_scenario(model, sc, ()).to_json()}
+    return out
+
+
+def golden_path(model, directory: Path = GOLDEN_DIR) -> Path:
+    return Path(directory) / f"{env_key(numerics_environment(model))}.json"
+
+
+def _git_commit() -> str | None:
+    try:
+        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=GOLDEN_DIR.parent.parent, capture_output=True,
+                              text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() or None
+
+
+def record(model, reason: str, directory: Path = GOLDEN_DIR) -> Path:
+    """Write (or replace) this model's entry in this environment's golden file."""
+    if not reason or not reason.strip():
+        raise UsageError("golden record needs a reason (--reason TEXT): why the reference hashes change")
+    path = golden_path(model, directory)
+    env = numerics_environment(model)
+    data = _read(path) if path.is_file() else {"format": GOLDEN_FORMAT, "version": GOLDEN_VERSION,
+                                               "env_key": env_key(env), "environment": env, "models": {}}
+    data["models"][model_id(model)] = {
+        "source": model_fingerprint(model).get("source"),
+        "recorded": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": _git_commit(), "reason": reason.strip(),
+        "scenarios": capture_reference(model)}
+    atomic_write_json(path, data, indent=1)
+    os.chmod(path, 0o644)                    # committed to the repository: readable like any source file
+    return path
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UsageError(f"{path}: not a readable golden hash file ({exc})") from None
+    if data.get("format") != GOLDEN_FORMAT or data.get("version") != GOLDEN_VERSION:
+        raise UsageError(f"{path}: expected format {GOLDEN_FORMAT} v{GOLDEN_VERSION}, "
+                         f"got {data.get('format')!r} v{data.get('version')!r}")
+    return data
+
+
+@dataclass
+class ScenarioVerdict:
+    scenario: str
+    status: str                         # pass / fail / skip
+    reason: str
+    first_divergence: dict | None = None
+    divergences: list[dict] = field(default_factory=list)     # the first one per failing check
+
+
+@dataclass
+class GoldenCheck:
+    status: str                         # pass / fail / skip (no golden file or model entry here)
+    reason: str
+    env_key: str
+    path: str
+    model_id: str
+    scenarios: list[ScenarioVerdict] = field(default_factory=list)
+
+
+def location(first: dict) -> str:
+    """'scenario single, request r0, position 3 (step -96), tensor logits' from a first-divergence dict."""
+    keys = ("scenario", "request", "position", "num_tokens", "step", "tensor", "layer")
+    # a prompt position has a negative generated-step index; the position says it already
+    return ", ".join(f"{k} {first[k]}" for k in keys
+                     if first.get(k) is not None and not (k == "step" and first[k] < 0))
+
+
+def check(model, directory: Path = GOLDEN_DIR) -> GoldenCheck:
+    env = numerics_environment(model)
+    key, path, mid = env_key(env), golden_path(model, directory), model_id(model)
+    base = dict(env_key=key, path=str(path), model_id=mid)
+    if not path.is_file():
+        known = sorted(p.stem for p in Path(directory).glob("*.json"))
+        return GoldenCheck("skip", f"no golden hashes for numerics environment {key} (have: {', '.join(known) or 'none'}); "
+                                   f"bits legitimately differ across environments: record them here with "
+                                   f"`k3verify golden record --reason ...`", **base)
+    entry = _read(path)["models"].get(mid)
+    if entry is None:
+        return GoldenCheck("skip", f"no golden hashes for model {mid[:23]} in {path.name}; "
+                                   f"after a deliberate model change run `k3verify golden record --reason ...`", **base)
+    verdicts = []
+    for name, rec in entry["scenarios"].items():
+        sc = workloads.build(name, scale=rec["scale"], vocab=_vocab(model))
+        if _prompt_digest(sc) != rec["prompts_sha256"]:
+            verdicts.append(ScenarioVerdict(name, "fail", f"scenario {name!r} no longer builds the recorded prompts "
+                                            f"(workloads changed): re-record with a reason"))
+            continue
+        now = run_scenario(model, sc, ())
+        cmp = compare_captures(Capture.from_json(rec["capture"]), now, name)
+        failing = [c for c in EXACT_CHECKS if not cmp[c]["equal"]]
+        if not failing:
+            n = sum(cmp[c]["compared"] for c in EXACT_CHECKS)
+            verdicts.append(ScenarioVerdict(name, "pass", f"reference bit-identical to golden ({n} hashes compared)"))
+            continue
+        firsts = [{"check": c, **cmp[c]["first"]} for c in failing]
+        primary = next((f for f in firsts if f["check"] == "logits"), firsts[0])
+        verdicts.append(ScenarioVerdict(
+            name, "fail", f"reference drifted from golden at {location(primary)} ({cmp[primary['check']]['reason']}); "
+                          f"failing: {', '.join(failing)}", primary, firsts))
+    status = "fail" if any(v.status == "fail" for v in verdicts) else "pass"
+    reason = ("reference path bit-identical to the golden hashes" if status == "pass" else
+              "; ".join(v.reason for v in verdicts if v.status == "fail"))
+    return GoldenCheck(status, reason, scenarios=verdicts, **base)
+
+
+def to_results(gc: GoldenCheck, duration_s: float = 0.0) -> list[dict[str, Any]]:
+    """Report results (schema v1): one per scenario, or one skip when there is nothing to compare."""
+    base = {"toggle": "(reference)", "kind": "optimization", "contract": "exact", "check": "golden",
+            "findings": [], "localization": None, "caught": None, "speedup": None,
+            "evidence": {"env_key": gc.env_key, "golden_file": gc.path, "model_id": gc.model_id}}
+    if not gc.scenarios:
+        return [{**base, "scenario": None, "status": gc.status, "reason": gc.reason, "first_divergence": None,
+                 "duration_s": duration_s}]
+    each = duration_s / len(gc.scenarios)
+    return [{**base, "scenario": v.scenario, "status": v.status, "reason": v.reason,
+             "first_divergence": v.first_divergence, "duration_s": each,
+             "evidence": {**base["evidence"], "divergences": v.divergences}} for v in gc.scenarios]

@@ -1,0 +1,194 @@
+"""`k3verify all` on tiny suites: a valid combined report with verdicts, resume after an
+interruption (each unit exactly once), a broken toggle rejected with its divergence
+(the negative control), verdict rules, and the release sign-off (signed vs not)."""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from k3verify import cli, run_all, suites
+from k3verify.report import load_report
+from k3verify.signoff import render_signoff
+from optimized_stack import load_model
+from optimized_stack import toggles as registry
+from optimized_stack.model import ops
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _diff_suite(tmp_path: Path, toggles: list[str], name: str = "tiny.toml") -> Path:
+    body = "version = 1\ndescription = \"tiny\"\n" + "".join(
+        f'[[check]]\nname = "d-{t}"\nkind = "diff"\ntoggles = ["{t}"]\nscenarios = ["single"]\nscale = 0.25\n'
+        for t in toggles)
+    path = tmp_path / name
+    path.write_text(body)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """One exact toggle on the single scenario, run through the CLI as a user would."""
+    tmp = tmp_path_factory.mktemp("all")
+    run_dir = tmp / "run"
+    code = cli.main(["all", "--suite", str(_diff_suite(tmp, ["continuous_batching"])), "--report-dir", str(run_dir)])
+    return code, run_dir
+
+
+def test_tiny_suite_writes_a_valid_combined_report(tiny_run):
+    code, run_dir = tiny_run
+    assert code == 0
+    report = load_report(run_dir)                     # validates against the schema
+    assert report["summary"]["verdict"] == "pass" and report["summary"]["passed"] == 4
+    (v,) = report["verdicts"]
+    assert (v["toggle"], v["verdict"]) == ("continuous_batching", "counted") and v["scenarios"] == ["single"]
+    assert (run_dir / v["report"]).is_file(), "the verdict links to the toggle's own diff report"
+    assert [c["status"] for c in report["suite"]["checks"]] == ["pass"]
+    assert len(list((run_dir / "checks").glob("*.json"))) == 1
+    assert "## Toggle verdicts" in (run_dir / "report.md").read_text()
+    assert "Toggle verdicts" in (run_dir / "report.html").read_text()
+    assert ET.parse(run_dir / "junit.xml").getroot().get("failures") == "0"
+
+
+class _Killed(Exception):
+    pass
+
+
+def test_resume_after_interruption_runs_each_unit_exactly_once(tmp_path, capsys):
+    suite = suites.load_suite(str(_diff_suite(tmp_path, ["continuous_batching", "projected_kv_cache"])))
+    model = load_model()
+    run_dir = tmp_path / "run"
+    plan = run_all.new_plan(suite, None, model, "test-resume", "k3verify all --suite tiny")
+
+    def die(unit):
+        raise _Killed(unit["id"])                  # the process "dies" right after the first unit's file
+
+    with pytest.raises(_Killed):
+        run_all.execute(plan, model, run_dir, after_unit=die)
+    assert [p.name for p in (run_dir / "checks").glob("*.json")] == ["001-d-continuous_batching-continuous_batching-single.json"]
+    assert not (run_dir / "report.json").exists()
+    first_file = (run_dir / "checks").glob("*.json").__next__()
+    before = first_file.stat().st_mtime_ns
+
+    assert cli.main(["all", "--resume", "test-resume", "--report-dir", str(run_dir)]) == 0
+    assert "1 of 2 units run now" in capsys.readouterr().out
+    assert first_file.stat().st_mtime_ns == before, "a finished unit must not run again"
+    report = load_report(run_dir)
+    seen = collections.Counter((r["unit"], r["check"]) for r in report["results"])
+    assert set(seen.values()) == {1} and len(seen) == 8, f"each check exactly once: {seen}"
+    assert {v["toggle"]: v["verdict"] for v in report["verdicts"]} == {
+        "continuous_batching": "counted", "projected_kv_cache": "counted"}
+
+
+def test_resume_refuses_a_different_suite(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    suite = suites.load_suite(str(_diff_suite(tmp_path, ["continuous_batching"])))
+    (run_dir).mkdir()
+    from k3verify.io import atomic_write_json
+    atomic_write_json(run_dir / "plan.json", run_all.new_plan(suite, None, load_model(), "r1", "k3verify all"))
+    assert cli.main(["all", "--resume", "r1", "--report-dir", str(run_dir), "--suite", "release"]) == 2
+    assert "ran suite 'tiny', got --suite 'release'" in capsys.readouterr().err
+
+
+@pytest.fixture
+def broken_toggle():
+    """An 'optimization' that swaps the row-stable GEMM for torch's batch-dependent one."""
+    t = registry.register(registry.Toggle(
+        name="broken_plain_linear", description="test: torch GEMM instead of the row-stable one",
+        contract=registry.EXACT, touches=("logits",), patch=lambda: ops.override(linear=ops.plain_linear)))
+    yield t.name
+    del registry._REGISTRY[t.name]
+
+
+def test_broken_toggle_is_rejected_with_first_divergence(tmp_path, broken_toggle):
+    """Negative control for `all`: a toggle that breaks bits must be rejected and exit 1."""
+    run_dir = tmp_path / "run"
+    assert cli.main(["all", "--suite", str(_diff_suite(tmp_path, [broken_toggle])), "--report-dir", str(run_dir)]) == 1
+    report = load_report(run_dir)
+    (v,) = report["verdicts"]
+    assert v["verdict"] == "rejected" and v["failed_check"] in ("tokens", "logits", "kda_state", "mla_rows")
+    assert v["first_divergence"]["scenario"] == "single" and "failed on single" in v["reason"]
+    assert (run_dir / v["report"]).is_file()
+    text, signed = render_signoff(report)
+    assert not signed and text.rstrip().endswith("NOT SIGNED-OFF")
+    assert f"toggle {broken_toggle} rejected" in text
+
+
+def _row(toggle, check, status, reason="r", **extra):
+    t = registry.get(toggle)
+    return {"toggle": toggle, "kind": t.kind, "contract": t.contract.describe(), "check": check, "scenario": "single",
+            "status": status, "reason": reason, "findings": [], "first_divergence": None, "localization": None,
+            "caught": None, "duration_s": 0.0, "speedup": None, **extra}
+
+
+def test_approx_toggle_counts_only_when_its_quality_gates_pass():
+    approx = next(t for t in registry.all_toggles("optimization") if t.contract.kind == "approx" and t.contract.quality)
+    drift = _row(approx.name, "drift_budget", "pass")
+    gates_skipped = [_row(approx.name, f"{g}", "skip", "not available in this build", gate=g) for g in approx.contract.quality]
+    (v,) = run_all.toggle_verdicts([drift, *gates_skipped])
+    assert v["verdict"] == "skipped" and "quality gates did not pass" in v["reason"] and "not available" in v["reason"]
+    gates_passed = [_row(approx.name, f"{g}", "pass", gate=g) for g in approx.contract.quality]
+    bench = _row(approx.name, "bench", "pass", speedup={"ratio": 1.5, "ci": [1.4, 1.6], "counted": True})
+    (v,) = run_all.toggle_verdicts([drift, *gates_passed, bench])
+    assert v["verdict"] == "counted" and v["speedup"]["ratio"] == 1.5
+    (v,) = run_all.toggle_verdicts([drift, _row(approx.name, "gsm8k", "fail", "worse", gate="gsm8k")])
+    assert v["verdict"] == "rejected" and "gsm8k failed" in v["reason"]
+
+
+def test_signoff_signed_on_a_passing_all_report(tiny_run, tmp_path, capsys):
+    _, run_dir = tiny_run
+    out = tmp_path / "signoff.md"
+    assert cli.main(["signoff", "--report", str(run_dir), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert text.rstrip().endswith("\nSIGNED-OFF") and "continuous_batching" in text
+    assert "weights sha256" in text and "numerics key" in text and "sha256 `" in text
+
+
+def test_signoff_not_signed_when_a_suite_check_was_skipped(tiny_run, tmp_path):
+    _, run_dir = tiny_run
+    report = json.loads((run_dir / "report.json").read_text())
+    report["suite"]["checks"].append({"index": 2, "name": "gsm8k", "kind": "gsm8k", "status": "skip",
+                                      "counts": {"skip": 1}, "reason": "not available in this build"})
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    assert cli.main(["signoff", "--report", str(path)]) == 1
+    text = (tmp_path / "signoff.md").read_text()
+    assert text.rstrip().endswith("NOT SIGNED-OFF") and "suite check 'gsm8k' (gsm8k) skip" in text
+
+
+def test_signoff_refuses_a_report_that_is_not_from_all(tiny_run, tmp_path):
+    _, run_dir = tiny_run
+    report = json.loads((run_dir / "toggles" / "continuous_batching" / "report.json").read_text())
+    _, signed = render_signoff(report)
+    assert not signed
+
+
+@pytest.mark.slow
+def test_kill_9_then_resume_finishes_with_a_valid_report(tmp_path):
+    """The real thing: SIGKILL the CLI once the first unit's file is on disk, then --resume."""
+    suite = _diff_suite(tmp_path, ["continuous_batching", "projected_kv_cache", "chunked_prefill"])
+    run_dir = tmp_path / "run"
+    exe = [sys.executable, "-m", "k3verify.cli"]
+    proc = subprocess.Popen([*exe, "all", "--suite", str(suite), "--report-dir", str(run_dir)], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not list((run_dir / "checks").glob("*.json")) if (run_dir / "checks").exists() else True:
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before it could be killed"
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (run_dir / "report.json").exists()
+    done = subprocess.run([*exe, "all", "--resume", "x", "--report-dir", str(run_dir)], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    report = load_report(run_dir)
+    seen = collections.Counter((r["unit"], r["check"]) for r in report["results"])
+    assert set(seen.values()) == {1} and len(seen) == 12
