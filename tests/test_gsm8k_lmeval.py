@@ -17,8 +17,9 @@ from k3verify.evals import gsm8k_synth  # noqa: E402
 from k3verify.evals.gsm8k import greedy_generate_fn, lookup_generate_fn, run_gsm8k  # noqa: E402
 from k3verify.evals.lm_eval_model import GenerateFnLM  # noqa: E402
 from optimized_stack.errors import K3Error  # noqa: E402
+from shared_data import SHARED  # noqa: E402
 
-DATA = Path("/work/shared/data/gsm8k")
+DATA = SHARED / "data" / "gsm8k"
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -7,6 +7,7 @@ import pytest
 
 from k3verify.evals import gsm8k_synth
 from optimized_stack.errors import K3Error
+from shared_data import SHARED  # noqa: E402
 
 STEP_RE = re.compile(r"(\d+) ([-+*/]) (\d+) = \$?(\d+)")
 STRICT_RE = re.compile(r"#### (\-?[0-9\.\,]+)")  # lm-eval gsm8k strict-match pattern
@@ -96,7 +97,7 @@ def test_answer_checker_can_fail():
 
 
 def test_rows_have_gsm8k_fields():
-    with open("/work/shared/data/gsm8k/test.jsonl") as f:
+    with open(SHARED / "data" / "gsm8k" / "test.jsonl") as f:
         gsm8k_keys = set(json.loads(f.readline()))
     row = gsm8k_synth.generate("test", 1, seed=0)[0]
     assert set(row) == gsm8k_keys, f"fields {set(row)} differ from GSM8K's {gsm8k_keys}"

@@ -19,8 +19,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.peer_fixtures import describe_diff, rel_err
+from shared_data import SHARED  # noqa: E402
 
-PEER = Path("/work/shared/data/k3-peer")
+PEER = SHARED / "data" / "k3-peer"
 TOL = 5e-4
 
 if not (PEER / "model.safetensors").is_file():

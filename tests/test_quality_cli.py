@@ -24,8 +24,9 @@ from k3verify.evals import needle  # noqa: E402
 from k3verify.evals.gsm8k import lookup_generate_fn  # noqa: E402
 from optimized_stack import toggles  # noqa: E402
 from optimized_stack.model import ops  # noqa: E402
+from shared_data import SHARED  # noqa: E402
 
-DATA = Path("/work/shared/data/gsm8k")
+DATA = SHARED / "data" / "gsm8k"
 REPO = Path(__file__).resolve().parent.parent
 TRUE_ANSWERS = {json.loads(line)["question"]: json.loads(line)["answer"] for line in open(DATA / "test.jsonl")}
 
