@@ -343,8 +343,12 @@ def _eviction(g: _Gen, scale: float) -> _Parts:
 def _preemption(g: _Gen, scale: float) -> _Parts:
     lengths = [40, 90, 65, 120, 30, 75]
     reqs = [RequestSpec(f"r{i}", tuple(g.text(_n(n, scale))), 8 + 2 * i) for i, n in enumerate(lengths)]
-    return dict(description="six concurrent requests over two KDA state slots: preempt, swap and resume",
-                tags=("preemption",), requests=reqs, engine_hints={"kda_pool_slots": 2})
+    # A tight MLA pool is what forces preemption (a small KDA pool only caps concurrency):
+    # 256 tokens = 4 blocks, while two of these requests together need up to 6.
+    return dict(description="six concurrent requests over a 4-block MLA pool and four KDA state "
+                            "slots: preempt, swap and resume",
+                tags=("preemption",), requests=reqs,
+                engine_hints={"kda_pool_slots": 4, "device_cache_tokens": 256})
 
 
 def _agentic(g: _Gen, scale: float) -> _Parts:

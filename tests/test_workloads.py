@@ -173,10 +173,14 @@ def test_eviction_cache_smaller_than_working_set():
     assert s.reusable_fraction > 0.5 and {"prefix", "eviction"} <= set(s.tags)
 
 
-def test_preemption_oversubscribes_kda_slots():
+def test_preemption_oversubscribes_the_pools():
     s = build("preemption")
     concurrent = [r for r in s.requests if r.arrival_step == 0]
-    assert len(concurrent) > s.engine_hints["kda_pool_slots"] == 2
+    assert len(concurrent) > s.engine_hints["kda_pool_slots"] == 4
+    # what forces preemption is the MLA pool: two of the largest requests exceed it
+    block = 64
+    blocks = sorted(-(-(len(r.prompt_ids) + r.max_new_tokens) // block) for r in concurrent)
+    assert blocks[-1] + blocks[-2] > s.engine_hints["device_cache_tokens"] // block
     assert "preemption" in s.tags
 
 
