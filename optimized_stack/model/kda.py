@@ -49,19 +49,8 @@ def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     v: [T, H, V]; beta: [T, H]; initial_state: [H, K, V] or None (zeros).
     Returns o [T, H, V] fp32 and the final state [H, K, V] fp32 (the input is not modified).
     """
-    t_len, h, kd = q.shape
-    vd = v.shape[-1]
-    state = (torch.zeros(h, kd, vd, dtype=torch.float32, device=q.device) if initial_state is None
-             else initial_state.float().clone())
-    q, k, v, g, beta = q.float(), k.float(), v.float(), g.float(), beta.float()
-    out = torch.empty(t_len, h, vd, dtype=torch.float32, device=q.device)
-    decay = exp(g)                                            # [T, H, K]
-    for t in range(t_len):
-        state = state * decay[t].unsqueeze(-1)                      # [H, K, V]
-        kv = (state * k[t].unsqueeze(-1)).sum(1)                    # S^T k   [H, V]
-        u = beta[t].unsqueeze(-1) * (v[t] - kv)                     # [H, V]
-        state = state + k[t].unsqueeze(-1) * u.unsqueeze(1)         # k (outer) u
-        out[t] = (state * q[t].unsqueeze(-1)).sum(1)                # S^T q   [H, V]
+    # One loop for the reference and for speculative tracing, so they cannot drift apart.
+    out, state, _ = kda_recurrent_trace(q, k, v, g, beta, initial_state)
     return out, state
 
 
@@ -80,8 +69,8 @@ class KDATrace:
 def kda_recurrent_trace(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                         beta: torch.Tensor, initial_state: torch.Tensor | None = None,
                         keep_states: bool = False) -> tuple[torch.Tensor, torch.Tensor, KDATrace]:
-    """`kda_recurrent` (the very same arithmetic, line for line) that also returns the
-    per-token (k, u, g) it used and, with keep_states, the state after every token."""
+    """The sequential recurrence (`kda_recurrent` is this without the trace), also returning
+    the per-token (k, u, g) it used and, with keep_states, the state after every token."""
     t_len, h, kd = q.shape
     vd = v.shape[-1]
     state = (torch.zeros(h, kd, vd, dtype=torch.float32, device=q.device) if initial_state is None
