@@ -195,6 +195,11 @@ def _drift(ref: Capture, cand: Capture, contract) -> tuple[bool, str, list[dict]
                   f"max ULP {f.max_ulp} over {f.n_rows} rows"), [fd], evidence
 
 
+def model_device(model) -> str:
+    """'cpu' or 'cuda': where the model's weights live (CUDA-only toggles skip elsewhere)."""
+    return next(model.parameters()).device.type
+
+
 def applies(toggle, scenario, device: str = "cpu", world_size: int = 1) -> str | None:
     """None if the toggle applies to the scenario here; else the reason it does not."""
     if device not in toggle.devices:
@@ -211,9 +216,10 @@ class ReferenceRuns:
     toggle judged in the same process. At world size W > 1 every run (reference: the same
     W without the toggle) goes through the tensor-parallel runner's W ranks, started once."""
 
-    def __init__(self, model, world_size: int = 1):
+    def __init__(self, model, world_size: int = 1, backend: str = "gloo"):
         self.model = model
         self.world_size = world_size
+        self.backend = backend              # torch.distributed backend of the W > 1 ranks
         self._runs: dict[str, Capture] = {}
         self._tp = None
 
@@ -222,7 +228,7 @@ class ReferenceRuns:
             return run_scenario(self.model, scenario, toggle_names, keep=keep, force=force)
         if self._tp is None:
             from .tp_runner import TPRunner
-            self._tp = TPRunner(self.model, self.world_size)
+            self._tp = TPRunner(self.model, self.world_size, backend=self.backend)
         return self._tp.run(scenario, toggle_names, keep=keep, force=force)
 
     def get(self, scenario) -> Capture:
@@ -243,7 +249,7 @@ def check_toggle(model, toggle_name: str, scenario, *, localize_failures: bool =
     toggle = toggle_registry.get(toggle_name)
     contract = toggle.contract
     base = dict(toggle=toggle.name, kind=toggle.kind, contract=contract.describe(), scenario=scenario.name)
-    skip = applies(toggle, scenario, world_size=references.world_size)
+    skip = applies(toggle, scenario, device=model_device(model), world_size=references.world_size)
     if skip:
         checks = EXACT_CHECKS if contract.kind == "exact" else ("drift_budget",)
         return [CheckResult(check=c, status="skip", reason=skip, **base) for c in checks]

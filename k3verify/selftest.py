@@ -40,14 +40,14 @@ def run_selftest(model, *, scale: float = 1.0, device: str = "cpu",
             # a toggle that only exists at W > 1 (tensor parallel) is judged at its smallest W
             world = 1 if 1 in toggle.world_sizes else min(toggle.world_sizes)
             refs = refs_by_world.setdefault(world, ReferenceRuns(model, world_size=world))
-            _judge_one(model, toggle, refs, scale, device, progress, out)
+            judge_one(model, toggle, refs, scale, device, progress, out)
     finally:
         for refs in refs_by_world.values():
             refs.close()
     return out
 
 
-def _judge_one(model, toggle, refs: ReferenceRuns, scale: float, device: str, progress, out: list) -> None:
+def judge_one(model, toggle, refs: ReferenceRuns, scale: float, device: str, progress, out: list) -> None:
     """Judge one toggle (or mutant) and append its selftest result to `out`."""
     if device not in toggle.devices:
         out.append({"toggle": toggle.name, "kind": toggle.kind, "contract": toggle.contract.describe(),

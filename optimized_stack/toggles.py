@@ -192,6 +192,7 @@ def _load_all() -> None:
     _LOADED = True
     import importlib
     for mod in ("optimized_stack.kernels.toggle_defs", "optimized_stack.kernels.lossy_toggle_defs",
+                "optimized_stack.kernels.cuda_toggle_defs",
                 "optimized_stack.engine.toggle_defs", "optimized_stack.parallel.toggle_defs",
                 "optimized_stack.engine.spec_toggle_defs"):
         try:

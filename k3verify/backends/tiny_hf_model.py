@@ -139,6 +139,38 @@ def _tokenizer_json() -> dict:
     }
 
 
+# Kimi-style chat rendering, the same ids as optimized_stack.tokenizer.ByteTokenizer's
+# apply_chat_template for text turns, tool declarations and assistant tool calls, so
+# `vllm serve` on this model answers /v1/chat/completions (without a template it refuses
+# every chat request with 400). Text parts of list content are joined, as there.
+CHAT_TEMPLATE = (
+    "{%- set ns = namespace(call_idx=0) -%}"
+    "{%- if tools -%}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson(separators=(',', ':')) }}<|im_end|>"
+    "{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.content is string -%}{%- set text = m.content -%}"
+    "{%- elif m.content -%}{%- set text = m.content | map(attribute='text') | join('') -%}"
+    "{%- else -%}{%- set text = '' -%}{%- endif -%}"
+    "{%- if m.role == 'tool' -%}"
+    "<|im_system|>tool<|im_middle|>{% if m.tool_call_id %}## Return of {{ m.tool_call_id }}\n{% endif %}{{ text }}"
+    "{%- else -%}"
+    "{{ {'system': '<|im_system|>', 'user': '<|im_user|>', 'assistant': '<|im_assistant|>'}[m.role] }}"
+    "{{ m.name or m.role }}<|im_middle|>{{ text }}"
+    "{%- endif -%}"
+    "{%- if m.tool_calls -%}<|tool_calls_section_begin|>"
+    "{%- for c in m.tool_calls -%}{%- set fn = c.function or c -%}"
+    "{%- set args = fn.arguments if fn.arguments is string else (fn.arguments or {}) | tojson(separators=(',', ':')) -%}"
+    "<|tool_call_begin|>{{ c.id if (c.id or '').startswith('functions.') else 'functions.' ~ fn.name ~ ':' ~ ns.call_idx }}"
+    "<|tool_call_argument_begin|>{{ args }}<|tool_call_end|>"
+    "{%- set ns.call_idx = ns.call_idx + 1 -%}"
+    "{%- endfor -%}<|tool_calls_section_end|>"
+    "{%- endif -%}"
+    "<|im_end|>"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
+)
+
+
 def make_tiny_llama(out_dir: str | Path, seed: int = 0, perturb_ulps: int = 0) -> Path:
     """Write config.json, model.safetensors, tokenizer.json, tokenizer_config.json into out_dir.
 
@@ -165,6 +197,7 @@ def make_tiny_llama(out_dir: str | Path, seed: int = 0, perturb_ulps: int = 0) -
         "bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>",
         "model_max_length": CONFIG["max_position_embeddings"],
         "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
     }, indent=2) + "\n")
     return out
 

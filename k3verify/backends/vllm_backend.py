@@ -113,8 +113,12 @@ def candidate_settings(toggle: str, reference: dict = REFERENCE) -> dict:
 
 
 def vllm_python() -> str:
-    """The interpreter that runs workers: $K3VERIFY_VLLM_PYTHON, else this one."""
-    return os.environ.get(PYTHON_ENV) or sys.executable
+    """The interpreter that runs workers: $K3VERIFY_VLLM_PYTHON, else the repo's .venv-vllm
+    (`make vllm-venv`) when it exists, else this one."""
+    if os.environ.get(PYTHON_ENV):
+        return os.environ[PYTHON_ENV]
+    default = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+    return str(default) if os.access(default, os.X_OK) else sys.executable
 
 
 def vllm_unavailable_reason(python: str | None = None) -> str | None:

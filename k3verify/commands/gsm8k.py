@@ -78,12 +78,19 @@ def endpoint_generate_fn(base_url: str, model_name: str | None, timeout_s: float
     import httpx
 
     url = completions_url(base_url)
+    root = url[: -len("/completions")]
+    # Probe first, with or without --model-name: lm-eval's client answers a closed port with
+    # a traceback after its retries, not with a line that names the URL.
+    try:
+        listing = httpx.get(root + "/models", timeout=30)
+    except httpx.HTTPError as e:
+        raise UsageError(f"cannot reach {root}: {type(e).__name__}: {e}") from None
     if model_name is None:
-        root = url[: -len("/completions")]
         try:
-            data = httpx.get(root + "/models", timeout=30).json().get("data") or []
-        except (httpx.HTTPError, ValueError) as e:
-            raise UsageError(f"cannot list models at {root}/models ({type(e).__name__}); pass --model-name") from None
+            data = listing.json().get("data") or []
+        except (ValueError, AttributeError) as e:
+            raise UsageError(f"cannot list models at {root}/models (HTTP {listing.status_code}, "
+                             f"{type(e).__name__}); pass --model-name") from None
         if not data:
             raise UsageError(f"{root}/models lists no model; pass --model-name")
         model_name = data[0]["id"]
@@ -169,6 +176,9 @@ def run(args) -> int:
         min_accuracy=args.min_accuracy, progress=lambda msg: print(f"  running {msg}", file=sys.stderr),
         dataset=args.dataset, data_dir=args.data_dir, limit=args.limit, num_fewshot=args.num_fewshot,
         seed=args.fewshot_seed, max_new_tokens=args.max_new_tokens)
+    if args.base_url is not None:  # the report must say which server answered, not only the command line
+        for r in gate.results:
+            r["endpoint"] = {"base_url": args.base_url, "model_name": model_name}
     run_id, default_dir = verify.default_report_dir("gsm8k")
     report, paths = verify.write(args.report_dir or default_dir, run_id, "k3verify " + " ".join(sys.argv[1:]),
                                  model, gate.results, seeds={"fewshot_seed": args.fewshot_seed})

@@ -57,9 +57,14 @@ def results_table(results, title: str) -> Table:
 def _model_name(base_url: str) -> str:
     import httpx
     try:
-        data = httpx.get(base_url.rstrip("/") + "/models", timeout=30).json().get("data") or []
-    except (httpx.HTTPError, ValueError) as e:
-        raise UsageError(f"cannot list models at {base_url}/models ({type(e).__name__}); pass --model-name") from None
+        listing = httpx.get(base_url.rstrip("/") + "/models", timeout=30)
+    except httpx.HTTPError as e:  # nothing listens: --model-name would not help, so do not suggest it
+        raise UsageError(f"cannot reach {base_url}: {type(e).__name__}: {e}") from None
+    try:
+        data = listing.json().get("data") or []
+    except (ValueError, AttributeError) as e:
+        raise UsageError(f"cannot list models at {base_url}/models (HTTP {listing.status_code}, "
+                         f"{type(e).__name__}); pass --model-name") from None
     if not data:
         raise UsageError(f"{base_url}/models lists no model; pass --model-name")
     return data[0]["id"]

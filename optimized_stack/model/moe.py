@@ -90,16 +90,19 @@ class MoE(nn.Module):
             y[rows] = y[rows] + w[rows, slot].unsqueeze(-1) * out
         return y
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def routed_part(self, x: torch.Tensor) -> torch.Tensor:
+        """Router, routed experts and (K3) the latent down/up projections. x [T, D] -> [T, D]."""
         cfg, lin = self.cfg, OPS.linear
         idx, w = self.gate(x)
         if cfg.routed_expert_hidden_size is not None:
             h = lin(x, self.routed_expert_down_proj.weight)                     # [T, L]
             y = self.routed(h, idx, w).to(x.dtype)
-            y = lin(rms_norm(y, self.routed_expert_norm.weight, cfg.rms_norm_eps),
-                    self.routed_expert_up_proj.weight)
-        else:
-            y = self.routed(x, idx, w).to(x.dtype)
-        if cfg.num_shared_experts:
+            return lin(rms_norm(y, self.routed_expert_norm.weight, cfg.rms_norm_eps),
+                       self.routed_expert_up_proj.weight)
+        return self.routed(x, idx, w).to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.routed_part(x)
+        if self.cfg.num_shared_experts:
             y = y + self.shared_experts(x)
         return y
