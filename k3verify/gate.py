@@ -173,8 +173,10 @@ def _drift(ref: Capture, cand: Capture, contract) -> tuple[bool, str, list[dict]
                 if key[1] == "recurrent":
                     f = compare_tensors(r.kda[n][key].tensor, c.kda[n][key].tensor,
                                         label=f"kda[{rid}] layer {key[0]} recurrent @ {n}")
-                    state_findings.append({"layer": key[0], "max_abs": f.max_abs, "max_ulp": f.max_ulp,
-                                           "max_rel": f.max_rel})
+                    scale = float(r.kda[n][key].tensor.abs().max())
+                    state_findings.append({"request": rid, "layer": key[0], "max_abs": f.max_abs,
+                                           "max_ulp": f.max_ulp, "max_rel": f.max_rel,
+                                           "rel_to_max": f.max_abs / scale if scale > 0 else f.max_abs})
     if not rows_r:
         return False, "no logits rows in common between reference and candidate", [], {}
     f = compare_logits(torch.stack(rows_r), torch.stack(rows_c), label="teacher-forced logits")
@@ -186,13 +188,19 @@ def _drift(ref: Capture, cand: Capture, contract) -> tuple[bool, str, list[dict]
         problems.append(f"top-1 agreement {f.top1_agreement:.4f} < budget {contract.min_top1:g}")
     if contract.max_ulp is not None and (f.max_ulp or 0) > contract.max_ulp:
         problems.append(f"max ULP {f.max_ulp} > budget {contract.max_ulp}")
+    state_rel = max((sf["rel_to_max"] for sf in state_findings), default=0.0)
+    if contract.max_state_rel is not None and state_rel > contract.max_state_rel:
+        worst = max(state_findings, key=lambda sf: sf["rel_to_max"])
+        problems.append(f"KDA state drift {state_rel:.3g} of max|state| > budget {contract.max_state_rel:g} "
+                        f"(layer {worst['layer']}, request {worst['request']})")
     evidence = {"kl_max": f.kl_max, "kl_mean": f.kl_mean, "top1_agreement": f.top1_agreement,
                 "max_ulp": f.max_ulp, "max_abs": f.max_abs, "rows": f.n_rows,
-                "argmax_flips": f.argmax_flips, "kda_state_drift": state_findings}
+                "argmax_flips": f.argmax_flips, "kda_state_drift": state_findings,
+                "kda_state_rel_max": state_rel}
     if problems:
         return False, "; ".join(problems), [fd], evidence
     return True, (f"within budget: max KL {f.kl_max:.3g}, top-1 {f.top1_agreement:.4f}, "
-                  f"max ULP {f.max_ulp} over {f.n_rows} rows"), [fd], evidence
+                  f"max ULP {f.max_ulp} over {f.n_rows} rows, KDA state drift {state_rel:.3g}"), [fd], evidence
 
 
 def model_device(model) -> str:

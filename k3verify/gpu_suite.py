@@ -70,10 +70,10 @@ def _tp_names() -> list[str]:
     return [t.name for t in tp if t.kind == "optimization"] + [t.name for t in tp if t.kind == "mutant"]
 
 
-def section_verdicts(s: Suite, model) -> dict[str, bool]:
+def section_verdicts(s: Suite, model, names: tuple[str, ...] | None = None) -> dict[str, bool]:
     refs = ReferenceRuns(model)
     passed = {}
-    for name in CUDA_TOGGLES + CUDA_MUTANTS + ENGINE_TOGGLES:   # most wanted first
+    for name in names or (CUDA_TOGGLES + CUDA_MUTANTS + ENGINE_TOGGLES):   # most wanted first
         if s.left() < 60:
             s.add("verdicts", {"toggle": name, "status": "skip", "reason": "suite time budget spent"})
             continue
@@ -127,7 +127,52 @@ def section_split(s: Suite) -> None:
             s.add("split", item)
 
 
-def section_bench(s: Suite, passed: dict[str, bool], bench_model: str) -> None:
+def section_invariance(s: Suite, model) -> None:
+    """Is a row's GEMM result independent of how many rows share the call? F.linear (cuBLAS,
+    the reference on the GPU) against tiled_row_linear (fixed [8, D] tiles); then the exact
+    engine toggles judged with the tiled form as the reference's linear."""
+    from optimized_stack.model import ops
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(1536, 768, generator=gen).cuda() * 0.03
+    x = torch.randn(256, 768, generator=gen).cuda()
+    for label, fn in (("F.linear (cuBLAS)", torch.nn.functional.linear), ("tiled_row_linear", ops.tiled_row_linear)):
+        full = fn(x, w)
+        same = {m: bool(torch.equal(fn(x[:m], w), full[:m])) for m in (1, 3, 8, 13, 64, 100, 200)}
+        item = {"gemm": label, "rows_equal_to_256_row_call": same, "status": "pass" if all(same.values()) else "fail"}
+        s.log(f"invariance {label}: {same}")
+        s.add("invariance", item)
+    refs = ReferenceRuns(model)
+    with ops.override(linear=ops.tiled_row_linear):
+        for name in ENGINE_TOGGLES:
+            if s.left() < 45:
+                s.add("invariance", {"toggle": name, "status": "skip", "reason": "suite time budget spent"})
+                continue
+            out: list[dict] = []
+            try:
+                judge_one(model, toggle_registry.get(name), refs, SCALE, "cuda", None, out)
+                item = _slim(out[0])
+            except Exception as exc:
+                item = {"toggle": name, "status": "error", "reason": f"{type(exc).__name__}: {exc}"[:400]}
+            item["reference_linear"] = "tiled_row_linear"
+            s.log(f"invariance {name} with tiled GEMMs: {item['status']} {str(item.get('reason'))[:120]}")
+            s.add("invariance", item)
+
+
+DEFAULT_BENCH = "prefill:4096:3:ref,prefill:32768:2,decode:1:3,decode:8:3,decode:64:3,decode:256:3"
+
+
+def _bench_plan(text: str) -> list[tuple[str, int, int, bool]]:
+    """'kind:n:repeats[:ref]' items -> (kind, n, repeats, with_reference); decode always has a reference."""
+    plan = []
+    for item in text.split(","):
+        parts = item.split(":")
+        if len(parts) < 3 or parts[0] not in ("prefill", "decode"):
+            raise ValueError(f"bench item: expected prefill|decode:N:REPEATS[:ref], got {item!r}")
+        plan.append((parts[0], int(parts[1]), int(parts[2]), parts[0] == "decode" or parts[3:] == ["ref"]))
+    return plan
+
+
+def section_bench(s: Suite, passed: dict[str, bool], bench_model: str, plan_text: str = DEFAULT_BENCH) -> None:
     model = load_model(bench_model, device="cuda")
     bw = gpu_bench.hbm_copy_bandwidth()
     s.doc["hbm_copy_bytes_per_s"] = bw
@@ -139,9 +184,7 @@ def section_bench(s: Suite, passed: dict[str, bool], bench_model: str) -> None:
             "toggles": list(ok), "left_out": {t: "contract not passed in this run" for t in wanted if t not in ok}}
     pre = s.doc["candidate_sets"]["prefill"]["toggles"]
     dec = s.doc["candidate_sets"]["decode"]["toggles"]
-    plans = [("prefill", 4096, 3, True), ("prefill", 32768, 2, False)]
-    plans += [("decode", b, 3, True) for b in (1, 8, 64, 256)]
-    for kind, n, repeats, with_ref in plans:
+    for kind, n, repeats, with_ref in _bench_plan(plan_text):
         if s.left() < 90:
             s.add("bench", {"workload": f"{kind} {n}", "status": "skip", "reason": "suite time budget spent"})
             continue
@@ -151,7 +194,7 @@ def section_bench(s: Suite, passed: dict[str, bool], bench_model: str) -> None:
                 r = gpu_bench.bench_prefill(model, n, tuple(pre), repeats=repeats, with_reference=with_ref)
                 r["toggles"] = list(pre)
             else:
-                r = gpu_bench.bench_decode(model, n, 512, tuple(dec), steps=4, repeats=repeats,
+                r = gpu_bench.bench_decode(model, n, 512, tuple(dec), steps=4 if n <= 64 else 2, repeats=repeats,
                                            hbm_bytes_per_s=bw, fast_prefill=tuple(pre))
                 r["toggles"] = list(dec)
             r["counted"] = bool(r["toggles"]) and r.get("ratio") is not None
@@ -218,6 +261,15 @@ def render(doc: dict[str, Any]) -> str:
         for v in sec["verdicts"]:
             lines.append(f"| {v.get('toggle')} | {v.get('kind', '')} | {v.get('contract', '')} | "
                          f"{v.get('scenario', '')} | {v.get('status')} | {str(v.get('reason', ''))[:140]} |")
+    if sec.get("invariance"):
+        lines += ["", "## Batch invariance on the GPU", "",
+                  "| what | result | verdict |", "|---|---|---|"]
+        for v in sec["invariance"]:
+            if "gemm" in v:
+                lines.append(f"| {v['gemm']}: rows of an M-row call == rows of the 256-row call | "
+                             f"{v['rows_equal_to_256_row_call']} | {v['status']} |")
+            else:
+                lines.append(f"| {v.get('toggle')} judged with tiled GEMMs | {str(v.get('reason', ''))[:140]} | {v.get('status')} |")
     if sec.get("split"):
         lines += ["", "## fla chunk_kda split invariance (kernel level, state carried)", "",
                   "| H x K | split | output bitwise | state bitwise | expected | verdict |", "|---|---|---|---|---|---|"]
@@ -256,11 +308,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=480.0)
     ap.add_argument("--model", default=None, help="model judged (default: the embedded k3-mini)")
     ap.add_argument("--bench-model", default="k3-small")
+    ap.add_argument("--bench-items", default=DEFAULT_BENCH, help="kind:n:repeats[:ref],... (default: %(default)s)")
+    ap.add_argument("--toggles", default="", help="judge only these (comma list) in the verdicts section")
     args = ap.parse_args(argv)
     sections = [x for x in args.sections.split(",") if x]
-    unknown = sorted(set(sections) - {"verdicts", "split", "bench", "tp"})
+    unknown = sorted(set(sections) - {"verdicts", "invariance", "split", "bench", "tp"})
     if unknown:
-        print(f"error: unknown section {unknown[0]!r}; expected verdicts, split, bench, tp", file=sys.stderr)
+        print(f"error: unknown section {unknown[0]!r}; expected verdicts, invariance, split, bench, tp",
+              file=sys.stderr)
+        return 2
+    try:
+        _bench_plan(args.bench_items)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
         print("error: the GPU suite needs CUDA; torch.cuda.is_available() is False", file=sys.stderr)
@@ -275,17 +335,20 @@ def main(argv: list[str] | None = None) -> int:
         s.doc["fla"] = None
     passed: dict[str, bool] = {}
     if "verdicts" in sections:
-        passed = section_verdicts(s, load_model(args.model, device="cuda"))
+        names = tuple(t for t in args.toggles.split(",") if t) or None
+        passed = section_verdicts(s, load_model(args.model, device="cuda"), names)
         s.doc["passed"] = passed
     elif os.environ.get("K3VERIFY_GPU_VERDICTS"):     # verdicts of an earlier process, same run
         import json
         prior = json.loads(Path(os.environ["K3VERIFY_GPU_VERDICTS"]).read_text())
         passed = prior.get("passed", {})
         s.doc["passed_from"] = os.environ["K3VERIFY_GPU_VERDICTS"]
+    if "invariance" in sections:
+        section_invariance(s, load_model(args.model, device="cuda"))
     if "split" in sections:
         section_split(s)
     if "bench" in sections:
-        section_bench(s, passed, args.bench_model)
+        section_bench(s, passed, args.bench_model, args.bench_items)
     if "tp" in sections:
         section_tp(s, args.model)
     s.log("done")

@@ -33,12 +33,16 @@ class Contract:
     max_kl: float | None = None                # max over steps of KL(ref || cand), nats
     min_top1: float | None = None              # min fraction of steps with equal argmax
     max_ulp: int | None = None                 # max ULP distance on logits
+    # max over layers of max|state_cand - state_ref| / max|state_ref| for the final KDA
+    # recurrent state: a wrong-state bug can hide behind a confident model's logits
+    max_state_rel: float | None = None
     quality: tuple[str, ...] = ()              # quality gates that must pass (gsm8k, needle, kvv)
 
     def __post_init__(self) -> None:
         if self.kind not in ("exact", "approx"):
             raise K3Error(f"contract kind: expected 'exact' or 'approx', got {self.kind!r}")
-        if self.kind == "exact" and any(v is not None for v in (self.max_kl, self.min_top1, self.max_ulp)):
+        if self.kind == "exact" and any(v is not None for v in (self.max_kl, self.min_top1, self.max_ulp,
+                                                                 self.max_state_rel)):
             raise K3Error("contract: an exact contract takes no drift budget")
         if self.kind == "approx" and self.max_kl is None and self.min_top1 is None and self.max_ulp is None:
             raise K3Error("contract: an approx contract needs a drift budget (max_kl, min_top1 or max_ulp)")
@@ -48,12 +52,13 @@ class Contract:
             return "exact"
         parts = [f"max_kl={self.max_kl:g}" if self.max_kl is not None else "",
                  f"min_top1={self.min_top1:g}" if self.min_top1 is not None else "",
-                 f"max_ulp={self.max_ulp}" if self.max_ulp is not None else ""]
+                 f"max_ulp={self.max_ulp}" if self.max_ulp is not None else "",
+                 f"max_state_rel={self.max_state_rel:g}" if self.max_state_rel is not None else ""]
         return "approx(" + ", ".join(p for p in parts if p) + ")"
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "max_kl": self.max_kl, "min_top1": self.min_top1,
-                "max_ulp": self.max_ulp, "quality": list(self.quality), "text": self.describe()}
+                "max_ulp": self.max_ulp, "max_state_rel": self.max_state_rel, "quality": list(self.quality), "text": self.describe()}
 
 
 EXACT = Contract("exact")

@@ -118,3 +118,34 @@ def test_cli_diff_exit_codes_and_report(tmp_path, capsys):
     rc = main(["diff", "--toggle", "prefill_step_api", "--scenario", "single", "--scale", "0.5",
                "--model", "k3-mini", "--report-dir", str(tmp_path / "ok")])
     assert rc == 0
+
+
+def _transposed_state_recurrence(q, k, v, g, beta, initial_state=None):
+    """CPU twin of the fla layout mutant: the cached state enters the recurrence as [V, K]."""
+    from optimized_stack.model.kda import kda_recurrent
+    s = None if initial_state is None else initial_state.transpose(-1, -2).contiguous()
+    o, final = kda_recurrent(q, k, v, g, beta, s)
+    return o, final.transpose(-1, -2).contiguous()
+
+
+def test_state_budget_catches_what_a_lax_logits_budget_misses(model, scenario, refs):
+    """An approx contract's max_state_rel judges the final KDA state itself: a transposed
+    state may stay inside a loose KL budget on a confident model, never inside the state's."""
+    lax = registry.Contract("approx", max_kl=10.0, min_top1=0.0)
+    strict = registry.Contract("approx", max_kl=10.0, min_top1=0.0, max_state_rel=1e-4)
+    results = {}
+    for name, contract in (("tmp_lax_transposed", lax), ("tmp_strict_transposed", strict)):
+        registry.register(registry.Toggle(
+            name=name, description="test only", contract=contract, touches=("kda_state",),
+            patch=lambda: ops.override(kda_prefill=_transposed_state_recurrence)))
+        try:
+            results[name] = check_toggle(model, name, scenario, references=refs, localize_failures=False)[0]
+        finally:
+            registry._REGISTRY.pop(name)
+    assert results["tmp_lax_transposed"].status == "pass"          # the logits budget alone lets it through
+    bad = results["tmp_strict_transposed"]
+    assert bad.status == "fail" and "KDA state drift" in bad.reason
+    assert bad.evidence["kda_state_rel_max"] > 1e-2
+    # negative control: a correct kernel stays far inside the same state budget
+    ok = check_toggle(model, "kda_chunked", scenario, references=refs)[0]
+    assert ok.status == "pass" and ok.evidence["kda_state_rel_max"] < 1e-5

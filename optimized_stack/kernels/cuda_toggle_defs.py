@@ -16,13 +16,15 @@ from ..toggles import EXACT, Contract, Toggle, register
 from . import cuda_ops
 from .toggle_defs import _ops, _patch_attr
 
-# fla's Triton kernels take tl.dot in TF32 on fp32 inputs (10-bit mantissa), so their drift
-# is ~1e-3 relative per product, far above the CPU kernels' 1e-6 (NOTES.md: measured KL on
-# the H200). A wrong-state or wrong-layout bug lands at KL >= 1e-2, bf16 state at 0.12.
-FLA_KERNEL = Contract("approx", max_kl=1e-4, min_top1=0.98, quality=("gsm8k", "needle"))
+# fla's chunk kernels take tl.dot in TF32 on fp32 inputs (10-bit mantissa): logits KL 7.6e-6
+# on the H200 (NOTES.md), far above the CPU kernels' 1e-11. A dropped state lands at KL >=
+# 1e-2, a bf16 state at 1.6e-2; a transposed state shows in the state itself (O(1) of max).
+FLA_KERNEL = Contract("approx", max_kl=1e-4, min_top1=0.98, max_state_rel=1e-2, quality=("gsm8k", "needle"))
+# fused_recurrent_kda does fp32 FMAs (no tensor cores): KL 6.5e-12 measured, the CPU budget.
+FLA_RECURRENT = Contract("approx", max_kl=1e-6, min_top1=0.98, max_state_rel=1e-4, quality=("gsm8k", "needle"))
 # cuBLAS picks its kernel by the GEMM's row count, so expert GEMMs on padded groups may
 # round differently from the per-expert ones: a few ULP, the CPU kernels' budget.
-GEMM_REGROUP = Contract("approx", max_kl=1e-6, min_top1=0.98, quality=("gsm8k", "needle"))
+GEMM_REGROUP = Contract("approx", max_kl=1e-6, min_top1=0.98, max_state_rel=1e-4, quality=("gsm8k", "needle"))
 CUDA = ("cuda",)
 
 register(Toggle(
@@ -32,7 +34,7 @@ register(Toggle(
     patch=_ops(kda_prefill=cuda_ops.fla_chunk)))
 
 register(Toggle(
-    name="kda_fla_recurrent", contract=FLA_KERNEL, touches=("logits", "kda_state"), devices=CUDA,
+    name="kda_fla_recurrent", contract=FLA_RECURRENT, touches=("logits", "kda_state"), devices=CUDA,
     description="KDA through fla-core's fused_recurrent_kda (one kernel per call, the state "
                 "kept in registers across tokens): the decode-step kernel",
     patch=_ops(kda_prefill=cuda_ops.fla_recurrent)))
@@ -59,7 +61,7 @@ register(Toggle(
 
 register(Toggle(
     name="mut_fla_recurrent_state_transposed", kind="mutant", mutant_of="kda_fla_recurrent",
-    contract=FLA_KERNEL, touches=("logits", "kda_state"), devices=CUDA,
+    contract=FLA_RECURRENT, touches=("logits", "kda_state"), devices=CUDA,
     description="the cached state handed to fused_recurrent_kda as [V, K] (a layout mix-up that "
                 "square heads hide)", caught_by=("drift_budget",), lives_in="kda/mixer",
     patch=_ops(kda_prefill=functools.partial(cuda_ops.fla_recurrent, _transpose_state=True))))

@@ -37,8 +37,9 @@ def _patch_attr(owner, name: str, value) -> Iterator[None]:
 # ---- approx kernel toggles ------------------------------------------------------------
 # Budgets: measured drift on k3-mini is ~1e-6 of max|logit| (NOTES.md); KL 1e-6 nats and
 # 98% teacher-forced argmax agreement leave two orders of magnitude of headroom while a
-# structural bug (mutants below) lands far outside.
-APPROX_KERNEL = Contract("approx", max_kl=1e-6, min_top1=0.98, quality=("gsm8k", "needle"))
+# structural bug (mutants below) lands far outside. The final KDA state drifts 4e-7..1.2e-6
+# of max|state| under these kernels, a bf16 state 8e-3: 1e-4 sits between.
+APPROX_KERNEL = Contract("approx", max_kl=1e-6, min_top1=0.98, max_state_rel=1e-4, quality=("gsm8k", "needle"))
 
 register(Toggle(
     name="kda_chunked", contract=APPROX_KERNEL, touches=("logits", "kda_state"),

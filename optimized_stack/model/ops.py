@@ -36,12 +36,19 @@ ROW_TILE = 8  # rows per fixed-shape GEMM tile; see module docstring
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """y = x @ weight.T, computed so each row's bits are independent of the batch. x [.., D]."""
+    if x.device.type != "cpu":
+        # cuBLAS picks its kernel by the row count, so on a GPU this is NOT batch-invariant
+        # (measured on the H200: NOTES.md); tiled_row_linear is the invariant form there.
+        return torch.nn.functional.linear(x, weight)
+    return tiled_row_linear(x, weight)
+
+
+def tiled_row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T as fixed-shape [8, D] tiles on any device: one GEMM shape whatever the
+    batch, so a row's bits cannot depend on its neighbours."""
     lead, d = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, d)                                  # [T, D]
     t = x2.shape[0]
-    if x.device.type != "cpu":
-        # GPU batch invariance needs fixed-split kernels (a toggle's business); plain here.
-        return torch.nn.functional.linear(x, weight)
     n_tiles = max(1, -(-t // ROW_TILE))
     pad = n_tiles * ROW_TILE - t
     if pad:
