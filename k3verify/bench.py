@@ -77,9 +77,24 @@ def scenario_tokens(sc) -> int:
     return sum(len(r.prompt_ids) + r.max_new_tokens for r in sc.requests)
 
 
+def decode_roofline(model, sc, seconds: float, hbm_bytes_per_s: float) -> dict[str, float]:
+    """Bytes a one-request-at-a-time decode of the scenario must move (gpu_bench's per-step
+    bytes at batch 1, at each request's mean context) per second of `seconds`, and that rate
+    as a fraction of the measured HBM bandwidth."""
+    from .gpu_bench import decode_step_bytes
+    total = 0.0
+    for r in sc.requests:
+        mean_ctx = len(r.prompt_ids) + r.max_new_tokens // 2
+        total += r.max_new_tokens * decode_step_bytes(model, 1, mean_ctx)["total"]
+    rate = total / seconds
+    return {"decode_bytes": total, "achieved_bytes_per_s": rate, "roofline_fraction": rate / hbm_bytes_per_s}
+
+
 def bench_toggle(model, toggle: str, *, workload_name: str = "decode", scale: float = 1.0,
-                 repeats: int = 5) -> dict[str, Any]:
-    """Judge the toggle's contract, then (only then) time it against the reference."""
+                 repeats: int = 5, hbm_bytes_per_s: float | None = None) -> dict[str, Any]:
+    """Judge the toggle's contract, then (only then) time it against the reference.
+    With hbm_bytes_per_s (measured on a GPU) a decode workload also reports its roofline
+    fraction (prefill time included, so it is a lower bound)."""
     sc = workload(workload_name, scale)
     refs = ReferenceRuns(model)
     results = check_toggle(model, toggle, sc, references=refs)
@@ -93,8 +108,13 @@ def bench_toggle(model, toggle: str, *, workload_name: str = "decode", scale: fl
         counted, why = False, f"contract not checked: {skipped[0].reason}"
     else:
         counted, why = True, f"contract {results[0].contract} held on {sc.name} in this run"
+    roof = {}
+    if hbm_bytes_per_s and workload_name == "decode":
+        import statistics
+        roof = {"roofline_reference": decode_roofline(model, sc, statistics.median(ab.times_a), hbm_bytes_per_s),
+                "roofline_candidate": decode_roofline(model, sc, statistics.median(ab.times_b), hbm_bytes_per_s)}
     return {"toggle": toggle, "workload": workload_name, "scenario": sc.name, "counted": counted,
-            "why": why, **ab.to_dict(),
+            "why": why, **ab.to_dict(), **roof,
             "checks": [{"check": r.check, "status": r.status, "reason": r.reason} for r in results]}
 
 

@@ -133,3 +133,21 @@ def test_fla_ops_match_the_reference_recurrence(op):
     bad = {"fla_chunk": {"_drop_state": True}, "fla_recurrent": {"_transpose_state": True}}[op]
     o_bad, _ = fn(q, k, v, g, beta, s0, **bad)
     assert (o_bad.cpu() - ref_o).abs().max() > 5e-2 * scale
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.parametrize("argv", [["diff", "--toggle", "moe_grouped"], ["bench", "--toggle", "mla_sdpa"],
+                                  ["selftest"]], ids=["diff", "bench", "selftest"])
+def test_device_cuda_is_refused_in_one_line_without_a_gpu(argv, capsys):
+    from k3verify.cli import main
+    assert main(argv + ["--device", "cuda"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "torch.cuda.is_available() is False" in err[0]
+
+
+def test_cuda_toggle_diff_on_cpu_says_why_it_skipped(tmp_path, capsys):
+    """Negative control of the refusal above: the same diff on the CPU runs and reports the skip."""
+    from k3verify.cli import main
+    rc = main(["diff", "--toggle", "moe_grouped", "--report-dir", str(tmp_path), "--json"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "runs on cuda, not cpu" in out

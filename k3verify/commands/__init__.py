@@ -46,6 +46,22 @@ def add_model_flag(parser) -> None:
     )
 
 
+def add_device_flag(parser) -> None:
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="where the model runs (CUDA-only toggles are judged only on cuda); default cpu")
+
+
+def model_device(args) -> str:
+    """--device, refused with a one-line error when CUDA is asked for and absent."""
+    device = getattr(args, "device", "cpu")
+    if device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            from k3verify.errors import UsageError
+            raise UsageError("--device cuda: torch.cuda.is_available() is False on this machine")
+    return device
+
+
 def emit_json(obj: Any) -> None:
     """The machine-readable last line: compact, sorted, never wrapped or coloured by rich."""
     sys.stdout.write(json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str) + "\n")

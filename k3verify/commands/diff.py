@@ -11,7 +11,8 @@ from pathlib import Path
 
 from rich.table import Table
 
-from k3verify.commands import add_json_flag, add_model_flag, console, emit_json
+from k3verify.commands import (add_device_flag, add_json_flag, add_model_flag, console, emit_json,
+                               model_device)
 
 NAME = "diff"
 HELP = "judge one toggle against the reference path (bitwise / drift budget) and write a report"
@@ -31,6 +32,7 @@ def add_arguments(parser) -> None:
                         help="judge under tensor parallelism on W gloo ranks (reference: the same W "
                              "without the toggle); default 1, no TP")
     add_model_flag(parser)
+    add_device_flag(parser)
     add_json_flag(parser)
 
 
@@ -63,7 +65,7 @@ def run(args) -> int:
         registry.get(name)                       # unknown names: exit 2 before any work
     for name in args.scenario or ():
         workloads.build(name)
-    model = load_model(args.model)
+    model = load_model(args.model, device=model_device(args))
     con = console()
     results = verify.judge(model, args.toggle, args.scenario, scale=args.scale, seed=args.seed,
                            progress=lambda msg: print(f"  running {msg}", file=sys.stderr),

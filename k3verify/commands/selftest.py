@@ -7,7 +7,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from k3verify.commands import add_json_flag, add_model_flag, console, emit_json
+from k3verify.commands import add_device_flag, add_json_flag, add_model_flag, console, emit_json, model_device
 
 NAME = "selftest"
 HELP = "run every toggle and every seeded-fault mutant; exit 0 only if all mutants are caught"
@@ -17,6 +17,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--report-dir", type=Path, help="where to write the report (default reports/<run-id>)")
     parser.add_argument("--scale", type=float, default=1.0, help="scenario size multiplier")
     add_model_flag(parser)
+    add_device_flag(parser)
     add_json_flag(parser)
 
 
@@ -26,8 +27,8 @@ def run(args) -> int:
     from k3verify import verify
     from k3verify.selftest import run_selftest
 
-    model = load_model(args.model)
-    results = run_selftest(model, scale=args.scale, progress=lambda m: print(f"  selftest {m}", file=sys.stderr))
+    model = load_model(args.model, device=model_device(args))
+    results = run_selftest(model, scale=args.scale, device=model_device(args), progress=lambda m: print(f"  selftest {m}", file=sys.stderr))
     run_id, default_dir = verify.default_report_dir("selftest")
     report, paths = verify.write(args.report_dir or default_dir, run_id, "k3verify " + " ".join(sys.argv[1:]),
                                  model, results)
