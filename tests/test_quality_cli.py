@@ -25,6 +25,7 @@ from k3verify.evals.gsm8k import lookup_generate_fn  # noqa: E402
 from optimized_stack import toggles  # noqa: E402
 from optimized_stack.model import ops  # noqa: E402
 from shared_data import SHARED  # noqa: E402
+from cli_helpers import cache, cli, load  # noqa: E402,F401  (cache: autouse fixture)
 
 DATA = SHARED / "data" / "gsm8k"
 REPO = Path(__file__).resolve().parent.parent
@@ -50,20 +51,6 @@ def tiny_model(tmp_path_factory) -> str:
     return str(folder)
 
 
-@pytest.fixture(autouse=True)
-def cache(tmp_path_factory, monkeypatch):
-    """lm-eval task files and gsm8k-synth data in a temp cache, not ~/.cache."""
-    monkeypatch.setenv("K3VERIFY_CACHE", str(tmp_path_factory.getbasetemp() / "k3verify-cache"))
-
-
-def cli(capsys, *argv) -> tuple[int, str, str]:
-    code = main([str(a) for a in argv])
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def load(report_dir: Path) -> dict:
-    return json.loads((report_dir / "report.json").read_text())
 
 
 # ---------------------------------------------------------------------------

@@ -36,6 +36,7 @@ import pytest  # noqa: E402
 from k3verify.backends.tiny_hf_model import make_tiny_llama  # noqa: E402
 from k3verify.backends.vllm_backend import vllm_python, vllm_unavailable_reason  # noqa: E402
 from k3verify.cli import main  # noqa: E402
+from cli_helpers import cache, cli, load  # noqa: E402,F401  (cache: autouse fixture)
 
 pytestmark = pytest.mark.vllm
 
@@ -120,20 +121,6 @@ def served(tmp_path_factory):
             proc.wait(timeout=10)
 
 
-@pytest.fixture(autouse=True)
-def cache(tmp_path_factory, monkeypatch):
-    """lm-eval task files and gsm8k-synth data in a temp cache, not ~/.cache."""
-    monkeypatch.setenv("K3VERIFY_CACHE", str(tmp_path_factory.getbasetemp() / "k3verify-cache"))
-
-
-def cli(capsys, *argv) -> tuple[int, str, str]:
-    code = main([str(a) for a in argv])
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def load(report_dir: Path) -> dict:
-    return json.loads((report_dir / "report.json").read_text())
 
 
 def _completions_served(log: Path) -> int:
