@@ -8,7 +8,8 @@ The TP toggles (tp_dedup_router, moe_output_shard, fused_allreduce_residual, dcp
 their mutants) are registered by `optimized_stack.parallel.toggle_defs`.
 """
 from .launch import Comm, RankContext, RankPool, launch, shard_range, split_sizes
-from .tp_model import FAULTS, TPModel, TPOptions, dcp_attention
+from .tp_model import FAULTS, TPModel, TPOptions
+from .tp_shards import dcp_attention
 
 __all__ = ["Comm", "RankContext", "RankPool", "launch", "shard_range", "split_sizes",
            "TPModel", "TPOptions", "FAULTS", "dcp_attention"]
