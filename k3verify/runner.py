@@ -12,9 +12,8 @@ toggle is compared on every position even after its argmax would have parted.
 """
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors.torch import load, save
@@ -102,35 +101,48 @@ def _run_sequential(model, scenario, opts: dict[str, Any], observers, force) -> 
             start += piece.numel()
         last = rows[-1]
         _emit_state(observers, rid, st)
-        forced = (force or {}).get(rid)
-        # the optimized stack's own per-request sampler: greedy argmax at temperature 0,
-        # seeded fp64 multinomial otherwise (one definition of "the sampled token")
-        sampler = Sampler(SamplingParams(max_new_tokens=max(1, step_req.max_new_tokens),
-                                         temperature=step_req.temperature, seed=step_req.seed))
-        tokens: list[int] = []
-        reason = "length"
-        while len(tokens) < step_req.max_new_tokens:
-            if forced is not None:
-                if len(tokens) >= len(forced):
-                    break
-                tok = forced[len(tokens)]
-            else:
-                tok = sampler.sample(last)
-            tokens.append(tok)
-            if forced is None and tok == eos:
-                reason = "stop"
-                break
-            if len(tokens) == step_req.max_new_tokens:
-                break
+        def step(tok: int) -> torch.Tensor:
+            nonlocal st
             if roundtrip:
                 st = _roundtrip(st, drop_conv)
             rows = model.forward(torch.tensor([tok]), st)
             for ob in observers:
                 ob.on_logits(rid, st.num_tokens - 1, rows)
             _emit_state(observers, rid, st)
-            last = rows[-1]
+            return rows[-1]
+        tokens, reason = generate(step_req, last, step, eos, (force or {}).get(rid))
         for ob in observers:
             ob.on_finish(rid, _Result(prompt, tokens, reason), dict(st.mla))
+
+
+def generate(req, last: torch.Tensor, step: Callable[[int], torch.Tensor], eos: int | None,
+             forced: list[int] | None, agree: Callable[[int], int] = int) -> tuple[list[int], str]:
+    """One request's generation loop, shared by the sequential and tensor-parallel runners.
+
+    `last` is the prompt's last logits row; `step(tok)` feeds a token and returns the next
+    row; `agree(tok)` makes every rank take the same token (TP broadcast). Tokens come from
+    the optimized stack's own per-request sampler (greedy argmax at temperature 0, seeded
+    fp64 multinomial otherwise: one definition of "the sampled token"), or from `forced`
+    (teacher forcing). Stops at eos (unless forced) or max_new_tokens -> (tokens, reason).
+    """
+    sampler = Sampler(SamplingParams(max_new_tokens=max(1, req.max_new_tokens),
+                                     temperature=req.temperature, seed=req.seed))
+    tokens: list[int] = []
+    while len(tokens) < req.max_new_tokens:
+        if forced is not None:
+            if len(tokens) >= len(forced):
+                break
+            tok = forced[len(tokens)]
+        else:
+            tok = sampler.sample(last)
+        tok = agree(tok)
+        tokens.append(tok)
+        if forced is None and tok == eos:
+            return tokens, "stop"
+        if len(tokens) == req.max_new_tokens:
+            break
+        last = step(tok)
+    return tokens, "length"
 
 
 def _run_engine(model, scenario, engine_opts: dict[str, Any], observers, force) -> None:

@@ -20,12 +20,11 @@ import torch
 
 import optimized_stack.parallel.toggle_defs  # noqa: F401  (registers the TP toggles)
 from optimized_stack import toggles as toggle_registry
-from optimized_stack.engine.options import SamplingParams
-from optimized_stack.engine.sampler import Sampler
 from optimized_stack.errors import K3Error
 from optimized_stack.parallel import RankContext, RankPool, TPModel, TPOptions
 
 from .capture import Capture
+from .runner import generate
 
 
 @dataclass
@@ -76,32 +75,16 @@ def _run(tp: TPModel, scenario, observers, force) -> None:
             ob.on_logits(rid, 0, rows.cpu())
         last = rows[-1].cpu()
         _emit_state(tp, observers, rid, st)
-        forced = (force or {}).get(rid)
-        # the stack's own per-request sampler, as the sequential runner uses; rank 0's
-        # choice is broadcast so every rank feeds the same token
-        sampler = Sampler(SamplingParams(max_new_tokens=max(1, req.max_new_tokens),
-                                         temperature=req.temperature, seed=req.seed))
-        tokens: list[int] = []
-        reason = "length"
-        while len(tokens) < req.max_new_tokens:
-            if forced is not None:
-                if len(tokens) >= len(forced):
-                    break
-                tok = forced[len(tokens)]
-            else:
-                tok = sampler.sample(last)
-            tok = int(tp.comm.broadcast(torch.tensor([tok], device=tp.device))[0])
-            tokens.append(tok)
-            if forced is None and tok == eos:
-                reason = "stop"
-                break
-            if len(tokens) == req.max_new_tokens:
-                break
+        def step(tok: int) -> torch.Tensor:
             rows = tp.forward(torch.tensor([tok]), st)
             for ob in observers:
                 ob.on_logits(rid, st.num_tokens - 1, rows.cpu())
             _emit_state(tp, observers, rid, st)
-            last = rows[-1].cpu()
+            return rows[-1].cpu()
+
+        def agree(tok: int) -> int:         # rank 0's choice, so every rank feeds the same token
+            return int(tp.comm.broadcast(torch.tensor([tok], device=tp.device))[0])
+        tokens, reason = generate(req, last, step, eos, (force or {}).get(rid), agree)
         mla = {i: t.cpu() for i, t in tp.gather_mla(st).items()}
         for ob in observers:
             ob.on_finish(rid, _Result(prompt, tokens, reason), mla)

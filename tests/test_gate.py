@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from k3verify import workloads
 from k3verify.capture import Capture

@@ -35,7 +35,6 @@ import pytest  # noqa: E402
 
 from k3verify.backends.tiny_hf_model import make_tiny_llama  # noqa: E402
 from k3verify.backends.vllm_backend import vllm_python, vllm_unavailable_reason  # noqa: E402
-from k3verify.cli import main  # noqa: E402
 from cli_helpers import cache, cli, load  # noqa: E402,F401  (cache: autouse fixture)
 
 pytestmark = pytest.mark.vllm

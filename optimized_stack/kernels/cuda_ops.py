@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..model.ops import OPS, situ, swiglu
+from ..model.ops import situ, swiglu
 
 
 def _state_in(state: torch.Tensor | None, transpose: bool) -> torch.Tensor | None:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import functools
 
-import torch
-
 from ..model import moe
 from ..toggles import EXACT, Contract, Toggle, register
 from . import cuda_ops
