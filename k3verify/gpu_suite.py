@@ -64,9 +64,9 @@ class Suite:
         atomic_write_text(self.out / f"gpu_{self.tag}.md", render(self.doc))
 
 
-def _tp_names() -> list[str]:
-    """Every toggle and mutant that runs at W = 2: optimizations first."""
-    tp = [t for t in toggle_registry.all_toggles() if 2 in t.world_sizes]
+def _tp_names(world_size: int = 2) -> list[str]:
+    """Every toggle and mutant that runs at W: optimizations first."""
+    tp = [t for t in toggle_registry.all_toggles() if world_size in t.world_sizes]
     return [t.name for t in tp if t.kind == "optimization"] + [t.name for t in tp if t.kind == "mutant"]
 
 
@@ -208,17 +208,17 @@ def section_bench(s: Suite, passed: dict[str, bool], bench_model: str, plan_text
         torch.cuda.empty_cache()
 
 
-def section_tp(s: Suite, model_path: str | None, backend: str = "nccl") -> None:
+def section_tp(s: Suite, model_path: str | None, backend: str = "nccl", world_size: int = 2) -> None:
     from .bench import interleaved
     from .gate import check_toggle
     from .selftest import _scenario_for
-    if backend == "nccl" and torch.cuda.device_count() < 2:
-        s.add("tp", {"status": "skip", "reason": f"needs 2 GPUs, found {torch.cuda.device_count()}"})
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        s.add("tp", {"status": "skip", "reason": f"needs {world_size} GPUs, found {torch.cuda.device_count()}"})
         return
     model = load_model(model_path)          # CPU copy: each rank moves it to its own GPU
-    refs = ReferenceRuns(model, world_size=2, backend=backend)
+    refs = ReferenceRuns(model, world_size=world_size, backend=backend)
     try:
-        for name in _tp_names():
+        for name in _tp_names(world_size):
             if s.left() < 45:
                 s.add("tp", {"toggle": name, "status": "skip", "reason": "suite time budget spent"})
                 continue
@@ -235,7 +235,7 @@ def section_tp(s: Suite, model_path: str | None, backend: str = "nccl") -> None:
             else:
                 item["status"] = "pass" if not failed else "fail"
                 ab = interleaved(lambda: refs.run(sc, ()), lambda: refs.run(sc, (name,)), repeats=3,
-                                 tokens=1, labels=("tp2 reference", name))
+                                 tokens=1, labels=(f"tp{world_size} reference", name))
                 item["speed"] = {"ratio": ab.ratio, "ci95": [ab.ci_low, ab.ci_high],
                                  "median_s_reference": sorted(ab.times_a)[1],
                                  "median_s_candidate": sorted(ab.times_b)[1],
@@ -290,7 +290,7 @@ def render(doc: dict[str, Any]) -> str:
             lines.append(f"| {r['workload']} | {'+'.join(r['toggles'])} | {ref_tps} | {r['tokens_per_s_candidate']:.0f} | "
                          f"{gpu_bench.fmt_ratio(r)} | {roof} | {'yes' if r['counted'] else 'no: ' + r['why']} |")
     if sec.get("tp"):
-        lines += ["", "## Tensor parallel, W=2 over NCCL (reference: W=2 without the toggle)", "",
+        lines += ["", f"## Tensor parallel, W={doc.get('world_size', 2)} over NCCL (reference: the same W without the toggle)", "",
                   "| toggle | contract | scenario | verdict | speed ratio [95% CI] |", "|---|---|---|---|---|"]
         for v in sec["tp"]:
             sp = v.get("speed")
@@ -310,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bench-model", default="k3-small")
     ap.add_argument("--bench-items", default=DEFAULT_BENCH, help="kind:n:repeats[:ref],... (default: %(default)s)")
     ap.add_argument("--toggles", default="", help="judge only these (comma list) in the verdicts section")
+    ap.add_argument("--world-size", type=int, default=2, choices=(2, 4, 8), help="ranks of the tp section (NCCL, one GPU each)")
     args = ap.parse_args(argv)
     sections = [x for x in args.sections.split(",") if x]
     unknown = sorted(set(sections) - {"verdicts", "invariance", "split", "bench", "tp"})
@@ -350,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     if "bench" in sections:
         section_bench(s, passed, args.bench_model, args.bench_items)
     if "tp" in sections:
-        section_tp(s, args.model)
+        s.doc["world_size"] = args.world_size
+        section_tp(s, args.model, world_size=args.world_size)
     s.log("done")
     s.save()
     return 0
