@@ -100,6 +100,11 @@ def bench_toggle(model, toggle: str, *, workload_name: str = "decode", scale: fl
     results = check_toggle(model, toggle, sc, references=refs)
     failed = [r for r in results if r.status == "fail"]
     skipped = [r for r in results if r.status == "skip"]
+    if skipped and len(skipped) == len(results):      # it does not run here (device, world size)
+        return {"toggle": toggle, "workload": workload_name, "scenario": sc.name, "counted": False,
+                "why": f"contract not checked: {skipped[0].reason}", "a": "reference", "b": toggle,
+                "ratio": None, "ci95": None, "checks": [{"check": r.check, "status": r.status,
+                                                         "reason": r.reason} for r in results]}
     ab = interleaved(lambda: run_scenario(model, sc), lambda: run_scenario(model, sc, (toggle,)),
                      repeats=repeats, tokens=scenario_tokens(sc), labels=("reference", toggle))
     if failed:

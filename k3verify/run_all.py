@@ -34,7 +34,7 @@ from optimized_stack.errors import K3Error
 
 from . import golden_hashes, workloads
 from .errors import UsageError
-from .gate import ReferenceRuns, check_toggle
+from .gate import ReferenceRuns, check_toggle, model_device
 from .io import atomic_write_json, atomic_write_text
 from .report import build_report, environment_fingerprint, load_report, validate_report, write_report
 from .suites import QUALITY_KINDS, Suite, expand, parse_suite
@@ -135,6 +135,10 @@ def run_command_gate(unit: dict, ctx: Context) -> list[dict]:
     Absent command -> skip "not available in this build" (never a fake pass). Its report
     lands in gates/<unit>/; its results join this report tagged with the gate and unit."""
     cmd, toggle = unit["kind"], unit["toggle"]
+    if toggle is not None:
+        t, device = toggle_registry.get(toggle), model_device(ctx.model)
+        if device not in t.devices:       # e.g. a CUDA kernel's gate on a CPU run: skip, say why
+            return [result(toggle, cmd, "skip", f"toggle runs on {', '.join(t.devices)}, not {device}")]
     out_dir = ctx.run_dir / "gates" / unit["id"]
     found = gate_args(unit, ctx.model_arg, out_dir)
     if found is None:
@@ -176,6 +180,9 @@ def run_bench(unit: dict, ctx: Context) -> list[dict]:
     kw = dict(a.split("=", 1) for a in o["args"])          # e.g. ["workload=agentic", "repeats=3"]
     row = bench.bench_toggle(ctx.model, unit["toggle"], workload_name=kw.get("workload", "decode"),
                              scale=float(kw.get("scale", 1.0)), repeats=int(kw.get("repeats", 3)))
+    if row["ratio"] is None:                      # not timed: the toggle does not run here
+        return [result(unit["toggle"], "bench", "skip", row["why"], scenario=row["scenario"],
+                       duration_s=time.perf_counter() - t0)]
     speedup = {"ratio": row["ratio"], "ci": row["ci95"], "counted": row["counted"], "workload": row["workload"],
                "tokens_per_s_ref": row["tokens_per_s_a"], "tokens_per_s_cand": row["tokens_per_s_b"]}
     return [result(unit["toggle"], "bench", "pass" if row["counted"] else "skip",

@@ -3,6 +3,8 @@ bytes a decode step must move, the roofline fraction, the bench plan parser and 
 rendering. The GPU timings themselves are the device run's (golden/reports/gpu-*)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from k3verify import bench, gpu_bench, gpu_suite, workloads
@@ -66,3 +68,12 @@ def test_bench_toggle_reports_roofline_only_for_decode_with_a_bandwidth(model):
     assert r["counted"] and 0 < r["roofline_candidate"]["roofline_fraction"] < 1
     plain = bench.bench_toggle(model, "mla_absorbed", workload_name="decode", scale=0.25, repeats=2)
     assert "roofline_candidate" not in plain          # no bandwidth measured (CPU): no column
+
+
+def test_bench_of_a_cuda_toggle_on_cpu_is_not_timed_and_says_why(model, capsys):
+    r = bench.bench_toggle(model, "kda_fla_chunk", workload_name="decode", scale=0.25, repeats=2)
+    assert r["counted"] is False and r["ratio"] is None and "runs on cuda, not cpu" in r["why"]
+    from k3verify.cli import main
+    assert main(["bench", "--toggle", "kda_fla_chunk", "--scale", "0.25", "--repeats", "2", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])[0]
+    assert row["counted"] is False and "runs on cuda, not cpu" in row["why"]

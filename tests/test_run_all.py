@@ -192,3 +192,17 @@ def test_kill_9_then_resume_finishes_with_a_valid_report(tmp_path):
     report = load_report(run_dir)
     seen = collections.Counter((r["unit"], r["check"]) for r in report["results"])
     assert set(seen.values()) == {1} and len(seen) == 12
+
+
+def test_quality_gate_of_a_cuda_toggle_on_cpu_is_a_skip_with_the_reason(tmp_path):
+    """A suite's `all-approx` gates include CUDA-only kernels: on a CPU run they must skip
+    with the reason (they errored on fla's import before), while a CPU toggle's gate runs."""
+    body = ('version = 1\ndescription = "gates"\n[[check]]\nkind = "needle"\n'
+            'toggles = ["kda_fla_chunk", "mla_sdpa"]\nlengths = [512]\ndepths = [0.5]\n')
+    (tmp_path / "g.toml").write_text(body)
+    run_dir = tmp_path / "run"
+    cli.main(["all", "--suite", str(tmp_path / "g.toml"), "--report-dir", str(run_dir)])
+    rows = {r["toggle"]: r for r in load_report(run_dir)["results"] if r["check"] == "needle" or r.get("gate")}
+    assert rows["kda_fla_chunk"]["status"] == "skip"
+    assert "runs on cuda, not cpu" in rows["kda_fla_chunk"]["reason"]
+    assert rows["mla_sdpa"]["status"] in ("pass", "fail")       # negative control: it really ran

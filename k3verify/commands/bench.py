@@ -53,6 +53,9 @@ def run(args) -> int:
         counted = ("yes" if r["counted"] else f"no: {r['why']}") if "counted" in r else f"overhead {r['overhead']:+.1%}"
         roof = (f"{r['roofline_reference']['roofline_fraction']:.2%} / {r['roofline_candidate']['roofline_fraction']:.2%}"
                 if "roofline_candidate" in r else "-")
+        if r.get("ratio") is None:                 # not timed (the toggle does not run here)
+            table.add_row(r["a"], r["b"], "-", "-", "-", "-", "-", counted)
+            continue
         table.add_row(r["a"], r["b"], f"{r['tokens_per_s_a']:.1f}", f"{r['tokens_per_s_b']:.1f}",
                       f"{r['ratio']:.3f}", f"[{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]", roof, counted)
     console().print(table)
