@@ -74,7 +74,7 @@ def _ids(n: int, vocab: int, seed: int) -> torch.Tensor:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
 
 
-def _timed_fn(model, names: tuple[str, ...], body: Callable[[], Any]) -> Callable[[], Any]:
+def _timed_fn(names: tuple[str, ...], body: Callable[[], Any]) -> Callable[[], Any]:
     def run():
         with toggle_registry.applied(list(names)):
             out = body()
@@ -87,7 +87,7 @@ def bench_prefill(model, tokens: int, candidate: tuple[str, ...], *, repeats: in
                   with_reference: bool = True) -> dict[str, Any]:
     """One whole-prompt prefill of `tokens` tokens, reference vs candidate toggles."""
     ids = _ids(tokens, model.config.vocab_size, 7).to(model.device)
-    cand = _timed_fn(model, candidate, lambda: model.logits(ids))
+    cand = _timed_fn(candidate, lambda: model.logits(ids))
     if not with_reference:
         cand()                                              # warm-up
         times = []
@@ -99,7 +99,7 @@ def bench_prefill(model, tokens: int, candidate: tuple[str, ...], *, repeats: in
         return {"workload": f"prefill {tokens}", "tokens": tokens, "reference_s": None,
                 "candidate_s": med, "tokens_per_s_reference": None, "tokens_per_s_candidate": tokens / med,
                 "ratio": None, "ci95": None, "repeats": repeats}
-    ref = _timed_fn(model, (), lambda: model.logits(ids))
+    ref = _timed_fn((), lambda: model.logits(ids))
     if repeats == 1:          # a long reference: one timed run each, no interval (the table says so)
         cand()
         t0 = time.perf_counter()
@@ -144,8 +144,8 @@ def bench_decode(model, batch: int, context: int, candidate: tuple[str, ...], *,
         sync()
         for s in range(steps):
             model.forward_batch([(step_ids[b][s:s + 1], states[b]) for b in range(batch)])
-    ref = _timed_fn(model, (), body)
-    cand = _timed_fn(model, candidate, body)
+    ref = _timed_fn((), body)
+    cand = _timed_fn(candidate, body)
     ab = interleaved(ref, cand, repeats=repeats, tokens=batch * steps, labels=("reference", "+".join(candidate)))
     d = ab.to_dict()
     need = decode_step_bytes(model, batch, context + steps // 2)

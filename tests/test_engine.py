@@ -5,24 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optimized_stack import K3Error, load_model, toggles
+from optimized_stack import K3Error, toggles
 from optimized_stack.engine import Engine, EngineObserver, EngineOptions, SamplingParams
 from optimized_stack.engine.kv_cache import PagedMLACache
 from optimized_stack.engine.metrics import PrefixTrie
 from optimized_stack.engine.state_pool import KDAStatePool
+from model_fixtures import model  # noqa: F401  (the module-scoped k3-mini fixture)
 
 ENGINE_TOGGLES = ["continuous_batching", "chunked_prefill", "prefix_cache", "prefix_cache_subblock",
                   "ckpt_with_mla_tail", "projected_kv_cache", "host_kv_tier", "preemption"]
-
-
-@pytest.fixture(scope="module")
-def model():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield load_model("k3-mini")
-    finally:
-        torch.set_num_threads(threads)
 
 
 def prompt(seed: int, n: int) -> list[int]:

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from optimized_stack import load_model, toggles
+from optimized_stack import toggles
 from optimized_stack.engine import Engine, EngineObserver, EngineOptions, SamplingParams
+from model_fixtures import model  # noqa: F401  (the module-scoped k3-mini fixture)
 
 CHECKS = ("tokens", "logits", "kda_state", "mla_rows")
 
@@ -184,16 +185,6 @@ def summary(bad: dict[str, list[str]]) -> str:
 
 
 # ---- fixtures -------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def model():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)      # 2-core box shared with other jobs: one thread is faster
-    try:
-        yield load_model("k3-mini")
-    finally:
-        torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def oracle(model):
     return Oracle(model)

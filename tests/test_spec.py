@@ -18,7 +18,7 @@ import torch
 
 from k3verify import workloads
 from k3verify.gate import ReferenceRuns, check_toggle
-from optimized_stack import K3Error, load_model, toggles
+from optimized_stack import K3Error, toggles
 from optimized_stack.engine import Engine, EngineOptions, SamplingParams
 from optimized_stack.engine import engine as engine_module
 from optimized_stack.engine import spec as spec_module
@@ -26,6 +26,7 @@ from optimized_stack.engine.spec import NgramDrafter, Speculator, kda_state_byte
 from optimized_stack.kernels.kda_chunked import kda_chunked
 from optimized_stack.model.kda import kda_recurrent, kda_recurrent_trace, kda_replay
 from optimized_stack.model.ops import l2_norm
+from model_fixtures import model  # noqa: F401  (the module-scoped k3-mini fixture)
 
 SPEC_TOGGLES = ["spec_copy_states", "spec_replay_ssm"]
 SPEC_SCENARIOS = ["spec_repetitive", "spec_random"]
@@ -35,16 +36,6 @@ MUTANT_CHECK = {                      # mutant -> (scenario, the check asserted 
     "mut_spec_accept_off_by_one": ("spec_random", "tokens"),
     "mut_spec_replay_closed_form": ("spec_random", "kda_state"),
 }
-
-
-@pytest.fixture(scope="module")
-def model():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield load_model("k3-mini")
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

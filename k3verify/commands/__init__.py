@@ -51,7 +51,7 @@ def add_device_flag(parser) -> None:
                         help="where the model runs (CUDA-only toggles are judged only on cuda); default cpu")
 
 
-def model_device(args) -> str:
+def requested_device(args) -> str:
     """--device, refused with a one-line error when CUDA is asked for and absent."""
     device = getattr(args, "device", "cpu")
     if device == "cuda":
@@ -60,6 +60,30 @@ def model_device(args) -> str:
             from k3verify.errors import UsageError
             raise UsageError("--device cuda: torch.cuda.is_available() is False on this machine")
     return device
+
+
+def served_model(root: str, model_name: str | None = None) -> str:
+    """Probe an OpenAI-compatible endpoint's /models (root: http://host:port/v1) and return
+    the model to ask for: `model_name`, else the first one listed. A closed port is a
+    one-line UsageError naming the URL (clients answer it with a traceback after retries)."""
+    import httpx
+
+    from k3verify.errors import UsageError
+    root = root.rstrip("/")
+    try:
+        listing = httpx.get(root + "/models", timeout=30)
+    except httpx.HTTPError as e:  # nothing listens: --model-name would not help, so do not suggest it
+        raise UsageError(f"cannot reach {root}: {type(e).__name__}: {e}") from None
+    if model_name is not None:
+        return model_name
+    try:
+        data = listing.json().get("data") or []
+    except (ValueError, AttributeError) as e:
+        raise UsageError(f"cannot list models at {root}/models (HTTP {listing.status_code}, "
+                         f"{type(e).__name__}); pass --model-name") from None
+    if not data:
+        raise UsageError(f"{root}/models lists no model; pass --model-name")
+    return data[0]["id"]
 
 
 def emit_json(obj: Any) -> None:

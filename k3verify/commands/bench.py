@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from k3verify.commands import add_device_flag, add_json_flag, add_model_flag, console, emit_json, model_device
+from k3verify.commands import (add_device_flag, add_json_flag, add_model_flag, console, emit_json,
+                               requested_device)
 from k3verify.errors import UsageError
 
 NAME = "bench"
@@ -34,7 +35,7 @@ def run(args) -> int:
 
     for t in args.toggle or ():
         registry.get(t)
-    device = model_device(args)
+    device = requested_device(args)
     model = load_model(args.model, device=device)
     hbm = None
     if device == "cuda" and args.workload == "decode":

@@ -16,7 +16,7 @@ from urllib.parse import urlparse
 
 from rich.table import Table
 
-from k3verify.commands import add_json_flag, add_model_flag, console, emit_json
+from k3verify.commands import add_json_flag, add_model_flag, console, emit_json, served_model
 from k3verify.errors import UsageError
 
 NAME = "gsm8k"
@@ -75,25 +75,11 @@ def endpoint_generate_fn(base_url: str, model_name: str | None, timeout_s: float
     Scoring and the task stay in run_gsm8k; only generation goes to the endpoint, through
     lm-eval's client (its payload: prompt, max_tokens, temperature 0, stop, seed).
     """
-    import httpx
-
     url = completions_url(base_url)
     root = url[: -len("/completions")]
     # Probe first, with or without --model-name: lm-eval's client answers a closed port with
     # a traceback after its retries, not with a line that names the URL.
-    try:
-        listing = httpx.get(root + "/models", timeout=30)
-    except httpx.HTTPError as e:
-        raise UsageError(f"cannot reach {root}: {type(e).__name__}: {e}") from None
-    if model_name is None:
-        try:
-            data = listing.json().get("data") or []
-        except (ValueError, AttributeError) as e:
-            raise UsageError(f"cannot list models at {root}/models (HTTP {listing.status_code}, "
-                             f"{type(e).__name__}); pass --model-name") from None
-        if not data:
-            raise UsageError(f"{root}/models lists no model; pass --model-name")
-        model_name = data[0]["id"]
+    model_name = served_model(root, model_name)
     try:
         from lm_eval.api.instance import Instance
         from lm_eval.models.openai_completions import LocalCompletionsAPI

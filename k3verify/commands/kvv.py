@@ -17,7 +17,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from k3verify.commands import add_json_flag, add_model_flag, console, emit_json
+from k3verify.commands import add_json_flag, add_model_flag, console, emit_json, served_model
 from k3verify.errors import UsageError
 
 NAME = "kvv"
@@ -54,27 +54,11 @@ def results_table(results, title: str) -> Table:
     return table
 
 
-def _model_name(base_url: str) -> str:
-    import httpx
-    try:
-        listing = httpx.get(base_url.rstrip("/") + "/models", timeout=30)
-    except httpx.HTTPError as e:  # nothing listens: --model-name would not help, so do not suggest it
-        raise UsageError(f"cannot reach {base_url}: {type(e).__name__}: {e}") from None
-    try:
-        data = listing.json().get("data") or []
-    except (ValueError, AttributeError) as e:
-        raise UsageError(f"cannot list models at {base_url}/models (HTTP {listing.status_code}, "
-                         f"{type(e).__name__}); pass --model-name") from None
-    if not data:
-        raise UsageError(f"{base_url}/models lists no model; pass --model-name")
-    return data[0]["id"]
-
-
 def _check_endpoint(args, base_url: str):
     from k3verify import quality
     from k3verify.evals.kvv import run_kvv
 
-    name = args.model_name or _model_name(base_url)
+    name = args.model_name or served_model(base_url)
     started = time.perf_counter()
     out = run_kvv(base_url, name, os.environ.get("OPENAI_API_KEY") or None, max_tokens=args.max_tokens,
                   structured_max_tokens=args.structured_max_tokens, only=args.only)

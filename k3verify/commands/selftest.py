@@ -7,7 +7,8 @@ from pathlib import Path
 
 from rich.table import Table
 
-from k3verify.commands import add_device_flag, add_json_flag, add_model_flag, console, emit_json, model_device
+from k3verify.commands import (add_device_flag, add_json_flag, add_model_flag, console, emit_json,
+                               requested_device)
 
 NAME = "selftest"
 HELP = "run every toggle and every seeded-fault mutant; exit 0 only if all mutants are caught"
@@ -27,8 +28,9 @@ def run(args) -> int:
     from k3verify import verify
     from k3verify.selftest import run_selftest
 
-    model = load_model(args.model, device=model_device(args))
-    results = run_selftest(model, scale=args.scale, device=model_device(args), progress=lambda m: print(f"  selftest {m}", file=sys.stderr))
+    device = requested_device(args)
+    model = load_model(args.model, device=device)
+    results = run_selftest(model, scale=args.scale, device=device, progress=lambda m: print(f"  selftest {m}", file=sys.stderr))
     run_id, default_dir = verify.default_report_dir("selftest")
     report, paths = verify.write(args.report_dir or default_dir, run_id, "k3verify " + " ".join(sys.argv[1:]),
                                  model, results)
