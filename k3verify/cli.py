@@ -84,6 +84,9 @@ def _unknown_command(word: str, known: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    from optimized_stack.numerics import mkl_state
+    if mkl_state().get("error"):            # a bad K3_MKL_CBWR: the reference's bits would be unpinned
+        return _error(str(mkl_state()["error"]))
     cmds = discover_commands()
     parser = build_parser(cmds)
 

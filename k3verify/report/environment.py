@@ -90,6 +90,41 @@ def _torch_info() -> dict[str, Any]:
     return info
 
 
+def _cpu_field(prefix: str) -> str | None:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith(prefix):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def numerics_libraries() -> dict[str, Any]:
+    """What can decide the CPU reference's bits besides torch itself: the processor, MKL's
+    pinned code branch (optimized_stack/numerics.py) and what MKL would pick on its own,
+    and the versions of MKL and oneDNN torch was built with."""
+    info: dict[str, Any] = {"cpu_model": _cpu_model(), "cpu_vendor": _cpu_field("vendor_id"),
+                            "cpu_family": _cpu_field("cpu family"), "cpu_model_id": _cpu_field("model\t")}
+    try:
+        from optimized_stack.numerics import mkl_state
+        state = mkl_state()
+        info.update(mkl_blas=state.get("blas"), mkl_cnr_branch=state.get("cnr_branch"),
+                    mkl_auto_branch=state.get("auto_branch"), mkl_status=state.get("status"))
+    except ImportError:
+        pass
+    try:
+        import torch
+        config = torch.__config__.show()
+    except (ImportError, AttributeError):
+        config = ""
+    for key, marker in (("mkl_version", "Math Kernel Library Version "), ("onednn_version", "MKL-DNN v")):
+        line = next((ln for ln in config.splitlines() if marker in ln), None)
+        info[key] = line.split(marker, 1)[1].split()[0] if line else None
+    return info
+
+
 def model_fingerprint(model: Any) -> dict[str, Any]:
     """source (model.source), sha256 of its model.safetensors when the source is a directory, dtype."""
     source = getattr(model, "source", None)
@@ -126,6 +161,7 @@ def environment_fingerprint(model: Any = None, seeds: Sequence[int] | Mapping[st
         "machine": platform.machine(),
         "hostname": platform.node(),
         "cpu": {"model": _cpu_model(), "count": os.cpu_count(), "capability": torch_info.get("cpu_capability")},
+        "numerics": numerics_libraries(),
         "torch": torch_info.get("torch"),
         "num_threads": torch_info.get("num_threads"),
         "cuda": torch_info.get("cuda"),
