@@ -98,7 +98,7 @@ def _slim(item: dict[str, Any]) -> dict[str, Any]:
 
 def section_split(s: Suite) -> None:
     """fla chunk_kda: prefill split at a multiple of 64 (state carried) == whole prefill, bitwise."""
-    from optimized_stack.kernels.cuda_ops import fla_chunk
+    from optimized_stack.kernels.kda.fla import fla_chunk
     for heads, dim in ((4, 16), (8, 128)):
         gen = torch.Generator(device="cpu").manual_seed(heads)
         t_len = 512

@@ -1,8 +1,11 @@
 """The registry of named optimizations (and seeded faults) with their contracts.
 
-A toggle is applied from outside the model: it swaps op-table entries
-(`optimized_stack.model.ops.override`) and/or sets engine options, inside one context
-manager that always restores what it changed. Nothing in the model branches on a toggle.
+A toggle is applied from outside the model, in one place (`applied`): it swaps named
+op-table slots (`ops`, model/ops.py OpTable), sets engine options (`engine`) or the
+verifier's runner options (`runner`), inside one context manager that always restores what
+it changed. Nothing in the model branches on a toggle, and nothing patches a class.
+Toggles are defined next to the code they switch, in modules named `toggle_defs`
+(or `*_toggle_defs`) anywhere under optimized_stack; `_load_all` discovers them.
 
 Contracts:
 - exact: logits (every vocab entry, every step) and KDA state (every layer, every step)
@@ -18,10 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterator
+import pkgutil
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Iterator, Mapping
 
 from .errors import K3Error
+from .model import ops as op_table
 
 TENSORS = ("logits", "kda_state", "kda_conv", "mla_rows")
 CHECKS = ("logits", "kda_state", "tokens", "mla_rows", "drift_budget")
@@ -77,8 +82,8 @@ class Toggle:
     engine: dict[str, Any] = field(default_factory=dict)
     # options for the verifier's plain sequential runner (prefill split, state round trip)
     runner: dict[str, Any] = field(default_factory=dict)
-    # op-table swap (and anything else process-wide): a () -> context manager factory
-    patch: Callable[[], ContextManager[Any]] | None = None
+    # op-table slots it swaps (OpTable field -> implementation with the slot's signature)
+    ops: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
     # other toggles that must be on for this one to mean anything
     requires: tuple[str, ...] = ()
     # scenarios (by tag) it applies to; empty = every scenario
@@ -101,12 +106,19 @@ class Toggle:
             raise K3Error(f"toggle {self.name!r}: caught_by {bad[0]!r}, expected some of {CHECKS}")
         if self.kind == "mutant" and not self.caught_by:
             raise K3Error(f"mutant {self.name!r}: must name the check that catches it (caught_by)")
+        slots = [f.name for f in fields(op_table.OpTable)]
+        bad = [k for k in self.ops if k not in slots]
+        if bad:
+            close = difflib.get_close_matches(bad[0], slots, n=1)
+            raise K3Error(f"toggle {self.name!r}: unknown op slot {bad[0]!r}"
+                          f"{f'; did you mean {close[0]!r}?' if close else ''} (slots: {', '.join(slots)})")
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "kind": self.kind, "contract": self.contract.to_dict(),
                 "touches": list(self.touches), "description": self.description,
                 "devices": list(self.devices), "world_sizes": list(self.world_sizes),
-                "engine": dict(self.engine), "runner": dict(self.runner), "requires": list(self.requires),
+                "engine": dict(self.engine), "runner": dict(self.runner), "ops": sorted(self.ops),
+                "requires": list(self.requires),
                 "scenario_tags": list(self.scenario_tags), "exercised_by": list(self.exercised_by),
                 "caught_by": list(self.caught_by),
                 "lives_in": self.lives_in, "mutant_of": self.mutant_of}
@@ -153,11 +165,12 @@ def resolve(names: list[str] | tuple[str, ...]) -> list[Toggle]:
 
 @dataclass
 class Applied:
-    """What a set of applied toggles asks of the runner: engine and runner options."""
+    """What a set of applied toggles asks of the runner: engine and runner options, op slots."""
 
     toggles: list[Toggle]
     engine: dict[str, Any]
     runner: dict[str, Any]
+    ops: dict[str, Callable[..., Any]]
 
 
 def _merge(toggles: list[Toggle], attr: str) -> dict[str, Any]:
@@ -168,40 +181,40 @@ def _merge(toggles: list[Toggle], attr: str) -> dict[str, Any]:
                 options[k] = frozenset(options.get(k, frozenset())) | frozenset(v)
                 continue
             if k in options and options[k] != v:
-                raise K3Error(f"toggles disagree on {attr} option {k!r}: {options[k]!r} vs {v!r} ({t.name})")
+                what = "op slot" if attr == "ops" else f"{attr} option"
+                raise K3Error(f"toggles disagree on {what} {k!r}: {options[k]!r} vs {v!r} ({t.name})")
             options[k] = v
     return options
 
 
 @contextlib.contextmanager
 def applied(names: list[str] | tuple[str, ...]) -> Iterator[Applied]:
-    """Apply toggles (patches entered in order, exited in reverse, always restored) and
-    yield the merged engine / runner options they ask for."""
+    """Apply toggles: their op slots swapped for the block (always restored), and the merged
+    engine / runner options they ask for. Two toggles that want one slot differently, or one
+    engine option differently, are refused."""
     toggles = resolve(names)
-    result = Applied(toggles, _merge(toggles, "engine"), _merge(toggles, "runner"))
-    with contextlib.ExitStack() as stack:
-        for t in toggles:
-            if t.patch is not None:
-                stack.enter_context(t.patch())
+    result = Applied(toggles, _merge(toggles, "engine"), _merge(toggles, "runner"), _merge(toggles, "ops"))
+    with op_table.override(**result.ops):
         yield result
 
 
 _LOADED = False
+TOGGLE_MODULE_SUFFIX = "toggle_defs"
+
+
+def toggle_modules() -> list[str]:
+    """Every module under optimized_stack whose name ends with `toggle_defs`, sorted."""
+    import optimized_stack
+    return sorted(m.name for m in pkgutil.walk_packages(optimized_stack.__path__, "optimized_stack.")
+                  if m.name.rsplit(".", 1)[-1].endswith(TOGGLE_MODULE_SUFFIX))
 
 
 def _load_all() -> None:
-    """Import the modules that define toggles (kept next to the code they switch)."""
+    """Import the modules that define toggles (discovered, kept next to the code they switch)."""
     global _LOADED
     if _LOADED:
         return
     _LOADED = True
     import importlib
-    for mod in ("optimized_stack.kernels.toggle_defs", "optimized_stack.kernels.lossy_toggle_defs",
-                "optimized_stack.kernels.cuda_toggle_defs",
-                "optimized_stack.engine.toggle_defs", "optimized_stack.parallel.toggle_defs",
-                "optimized_stack.engine.spec_toggle_defs"):
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as exc:
-            if exc.name != mod:       # a real import error inside the module: surface it
-                raise
+    for mod in toggle_modules():
+        importlib.import_module(mod)

@@ -29,7 +29,10 @@ import torch.nn.functional as F
 from .checkpoint import file_sha256, load_weights, read_state_dict, save_checkpoint
 from .config import K3Config
 from .errors import CheckpointError, K3Error
-from .kernels import gpu_train_ops as gops
+from .kernels.kda.chunked import kda_chunk_torch
+from .kernels.kda.fla import kda_chunk_batched
+from .kernels.kda.recurrent import kda_recurrent_batched
+from .kernels.mla.sdpa import sdpa_causal
 from .model.attn_res import AttnResRead
 from .model.model import K3Model
 from .model.ops import l2_norm, rms_norm, situ, swiglu
@@ -90,13 +93,13 @@ class SeqOps:
 
     def kda(self, q, k, v, g, beta):
         if self.kda_kind == "fla":     # fla's Triton kernels: minutes of compile on a fresh box
-            return gops.kda_chunk_batched(q, k, v, g, beta, io_dtype=self.dtype)
+            return kda_chunk_batched(q, k, v, g, beta, io_dtype=self.dtype)
         if self.kda_kind == "chunk":
-            return gops.kda_chunk_torch(q, k, v, g, beta)
-        return gops.kda_recurrent_batched(q, k, v, g, beta)
+            return kda_chunk_torch(q, k, v, g, beta)
+        return kda_recurrent_batched(q, k, v, g, beta)
 
     def attend(self, q, k, v, scale):
-        return gops.sdpa_causal(q.to(self.dtype), k.to(self.dtype), v.to(self.dtype), scale).float()
+        return sdpa_causal(q.to(self.dtype), k.to(self.dtype), v.to(self.dtype), scale).float()
 
 
 def _kda_layer(attn, x: torch.Tensor, b: int, t: int, ops: SeqOps) -> torch.Tensor:

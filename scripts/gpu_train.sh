@@ -20,7 +20,7 @@ export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
 python3 -c "
 import json, torch, sys; sys.setrecursionlimit(10000)
-from optimized_stack.kernels.gpu_train_ops import self_check
+from optimized_stack.train_check import self_check
 print('torch', torch.__version__, 'selfcheck', json.dumps(self_check('cuda')), flush=True)"
 if [ "$mode" = smoke ]; then
   python3 scripts/train_k3mini.py --out "$OUT/ckpt" --minutes "${2:-1.2}" --eval-every-s 1e9 "${@:3}"

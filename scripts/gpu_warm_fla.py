@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from optimized_stack.kernels.cuda_ops import fla_chunk, fla_recurrent
+from optimized_stack.kernels.kda.fla import fla_chunk, fla_recurrent
 
 if __name__ == "__main__":
     dim = int(sys.argv[1]) if len(sys.argv) > 1 else 128

@@ -1,4 +1,4 @@
-"""CUDA toggles (kernels/cuda_toggle_defs.py): registered CUDA-only and skipped on a CPU with
+"""CUDA toggles (kernels/kda, kernels/moe toggle_defs.py): registered CUDA-only and skipped on a CPU with
 the reason; the grouped-expert and side-stream forms checked where they can run (their
 arithmetic on the CPU, their kernels on a GPU). The model-level verdicts on the GPU are the
 GPU suite's (k3verify/gpu_suite.py, scripts/gpu_suite.sh); GPU tests here skip on a CPU."""
@@ -11,7 +11,9 @@ from k3verify import workloads
 from k3verify.gate import check_toggle
 from optimized_stack import load_model
 from optimized_stack import toggles as registry
-from optimized_stack.kernels import cuda_ops
+from optimized_stack.kernels.kda import fla
+from optimized_stack.kernels.moe.grouped import routed_grouped
+from optimized_stack.kernels.moe.side_stream import moe_forward_side_stream
 from optimized_stack.model.moe import MoE
 from optimized_stack.presets import preset_config
 
@@ -70,10 +72,10 @@ def _routing(layer, t_len=37):
 def test_routed_grouped_matches_per_expert_loop_on_cpu(moe_layer):
     _, h, idx, w = _routing(moe_layer)
     ref = MoE.routed(moe_layer, h, idx, w)
-    got = cuda_ops.routed_grouped(moe_layer, h, idx, w)
+    got = routed_grouped(moe_layer, h, idx, w)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
     # negative control: the slot-0-weight mutant is far outside that tolerance
-    bad = cuda_ops.routed_grouped(moe_layer, h, idx, w, _slot0_weight=True)
+    bad = routed_grouped(moe_layer, h, idx, w, _slot0_weight=True)
     assert (bad - ref).abs().max() > 1e-3 * ref.abs().max()
 
 
@@ -81,7 +83,7 @@ def test_moe_forward_is_routed_part_plus_shared(moe_layer):
     x, *_ = _routing(moe_layer)
     assert torch.equal(moe_layer(x), moe_layer.routed_part(x) + moe_layer.shared_experts(x))
     # on a CPU tensor the side-stream form is the reference itself
-    assert torch.equal(cuda_ops.moe_forward_side_stream(moe_layer, x), moe_layer(x))
+    assert torch.equal(moe_forward_side_stream(moe_layer, x), moe_layer(x))
 
 
 @pytest.mark.gpu
@@ -90,8 +92,8 @@ def test_side_stream_is_bitwise_on_gpu_and_tf32_mutant_is_not(moe_layer):
     layer = moe_layer.cuda()
     x = torch.randn(64, layer.cfg.hidden_size, generator=torch.Generator().manual_seed(2)).cuda()
     ref = layer(x)
-    assert torch.equal(cuda_ops.moe_forward_side_stream(layer, x), ref)
-    assert not torch.equal(cuda_ops.moe_forward_side_stream(layer, x, _tf32=True), ref)
+    assert torch.equal(moe_forward_side_stream(layer, x), ref)
+    assert not torch.equal(moe_forward_side_stream(layer, x, _tf32=True), ref)
     moe_layer.cpu()
 
 
@@ -102,7 +104,7 @@ def test_routed_grouped_close_on_gpu(moe_layer):
     _, h, idx, w = (t.cuda() for t in _routing(layer.cpu()))
     layer.cuda()
     ref = MoE.routed(layer, h, idx, w)
-    torch.testing.assert_close(cuda_ops.routed_grouped(layer, h, idx, w), ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(routed_grouped(layer, h, idx, w), ref, rtol=1e-4, atol=1e-5)
     moe_layer.cpu()
 
 
@@ -124,7 +126,7 @@ def test_fla_ops_match_the_reference_recurrence(op):
     from optimized_stack.model.kda import kda_recurrent
     q, k, v, g, beta, s0 = _kda_inputs(150)
     ref_o, ref_s = kda_recurrent(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), s0.cpu())
-    fn = getattr(cuda_ops, op)
+    fn = getattr(fla, op)
     o, s = fn(q, k, v, g, beta, s0)
     scale = ref_o.abs().max()
     assert (o.cpu() - ref_o).abs().max() < 5e-3 * scale           # TF32 inside fla's kernels

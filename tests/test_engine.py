@@ -169,7 +169,7 @@ def test_engine_toggles_are_registered_exact_with_their_mutants():
     for t in mutants:
         assert t.caught_by and t.lives_in
         opts = EngineOptions.from_dict(t.engine)
-        assert t.patch is not None or opts.faults == {t.name}
+        assert t.ops or opts.faults == {t.name}
     assert [t.name for t in toggles.resolve(["ckpt_with_mla_tail"])] == \
         ["prefix_cache", "prefix_cache_subblock", "ckpt_with_mla_tail"]
 

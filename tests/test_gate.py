@@ -136,7 +136,7 @@ def test_state_budget_catches_what_a_lax_logits_budget_misses(model, scenario, r
     for name, contract in (("tmp_lax_transposed", lax), ("tmp_strict_transposed", strict)):
         registry.register(registry.Toggle(
             name=name, description="test only", contract=contract, touches=("kda_state",),
-            patch=lambda: ops.override(kda_prefill=_transposed_state_recurrence)))
+            ops={"kda_prefill": _transposed_state_recurrence, "kda_decode": _transposed_state_recurrence}))
         try:
             results[name] = check_toggle(model, name, scenario, references=refs, localize_failures=False)[0]
         finally:

@@ -17,7 +17,6 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-import optimized_stack.kernels.lossy_toggle_defs  # noqa: E402,F401  (registers kda_state_bf16)
 from k3verify import quality  # noqa: E402
 from k3verify.evals import needle  # noqa: E402
 from k3verify.evals.gsm8k import lookup_generate_fn  # noqa: E402

@@ -23,7 +23,7 @@ from optimized_stack.engine import Engine, EngineOptions, SamplingParams
 from optimized_stack.engine import engine as engine_module
 from optimized_stack.engine import spec as spec_module
 from optimized_stack.engine.spec import NgramDrafter, Speculator, kda_state_bytes
-from optimized_stack.kernels.kda_chunked import kda_chunked
+from optimized_stack.kernels.kda.chunked import kda_chunked
 from optimized_stack.model.kda import kda_recurrent, kda_recurrent_trace, kda_replay
 from optimized_stack.model.ops import l2_norm
 from model_fixtures import model  # noqa: F401  (the module-scoped k3-mini fixture)

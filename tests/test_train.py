@@ -17,7 +17,8 @@ import torch
 from optimized_stack import load_model
 from optimized_stack import train as tr
 from optimized_stack.checkpoint import save_checkpoint
-from optimized_stack.kernels import gpu_train_ops as gops
+from optimized_stack.kernels.kda.chunked import kda_chunk_torch
+from optimized_stack.kernels.kda.recurrent import kda_recurrent_batched
 from optimized_stack.model.ops import override, plain_linear
 from optimized_stack.presets import init_model, preset_config
 from optimized_stack.tokenizer import ByteTokenizer
@@ -91,7 +92,7 @@ def test_chunked_kda_matches_recurrence_and_gradients(t_len):
     k = torch.nn.functional.normalize(rnd(2, t_len, 3, 8), dim=-1)
     v, gate, beta = rnd(2, t_len, 3, 8), -5 * torch.sigmoid(rnd(2, t_len, 3, 8)), torch.sigmoid(rnd(2, t_len, 3))
     outs = []
-    for fn in (gops.kda_recurrent_batched, gops.kda_chunk_torch):
+    for fn in (kda_recurrent_batched, kda_chunk_torch):
         ins = [x.clone().requires_grad_(True) for x in (q, k, v, gate, beta)]
         o = fn(*ins)
         (o * torch.linspace(-1, 1, o.numel()).view_as(o)).sum().backward()

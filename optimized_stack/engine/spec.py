@@ -20,7 +20,7 @@ e .. e+W-2 of [old window; pre-conv inputs of the verified tokens].
 
 Recording uses a forward pre-hook on each KDA layer (the segment's input and its state
 object, so the pre-conv projections can be recomputed: the same op on the same rows gives
-the same bits) and a swapped `kda_prefill` op that runs `kda_recurrent_trace` (the same
+the same bits) and the `kda_prefill` / `kda_decode` op slots swapped for one that runs `kda_recurrent_trace` (the same
 arithmetic as the reference recurrence) for the segments being verified.
 
 Shape letters: T verified tokens (1 + drafts), H heads, K key dim, V value dim, C = H*K,
@@ -35,7 +35,7 @@ from typing import Iterator
 import torch
 
 from ..config import KDA
-from ..kernels.kda_chunked import kda_chunked
+from ..kernels.kda.chunked import kda_chunked
 from ..model import ops
 from ..model.kda import KDATrace, kda_recurrent, kda_recurrent_trace, kda_replay
 from ..model.model import K3Model, RequestState
@@ -153,7 +153,11 @@ class Speculator:
         keep_x = "mut_spec_gate_recompute" in self.faults
         keep_qvb = "mut_spec_replay_closed_form" in self.faults
         current: list[_Layer | None] = [None]
-        passthrough = OPS.kda_prefill or kda_recurrent
+        # unrecorded segments keep whatever the op table held (a prefill or decode kernel toggle)
+        outer = {1: OPS.kda_decode, 0: OPS.kda_prefill}
+
+        def passthrough(q, k, v, g, beta, state):
+            return (outer[int(q.shape[0] == 1)] or kda_recurrent)(q, k, v, g, beta, state)
 
         def pre_hook(module, args):
             x, kst = args
@@ -181,7 +185,7 @@ class Speculator:
 
         handles = [m.register_forward_pre_hook(pre_hook) for m in self.kda_layers.values()]
         try:
-            with ops.override(kda_prefill=scan):
+            with ops.override(kda_prefill=scan, kda_decode=scan):
                 yield records
         finally:
             for h in handles:

@@ -43,4 +43,4 @@ _mut("mut_spec_conv_not_compacted", "spec_replay_ssm", "after a rejection the co
 _mut("mut_spec_accept_off_by_one", "spec_copy_states", "greedy acceptance also keeps the first rejected "
      "draft token", COPY, ("tokens",), "engine/spec")
 _mut("mut_spec_replay_closed_form", "spec_replay_ssm", "replay via the chunked closed form "
-     "(kernels.kda_chunked: cumulative gates, triangular solve) instead of the sequential recurrence", REPLAY, ("kda_state",), "kda/recurrent")
+     "(kernels/kda/chunked.py: cumulative gates, triangular solve) instead of the sequential recurrence", REPLAY, ("kda_state",), "kda/recurrent")

@@ -38,10 +38,10 @@ def _opt(name: str, description: str, engine: dict, requires: tuple[str, ...] = 
 
 
 def _mut(name: str, of: str, description: str, engine: dict, caught_by: tuple[str, ...], lives_in: str,
-         patch=None) -> None:
-    faults = {"faults": (name,)} if patch is None else {}
+         op_slots: dict | None = None) -> None:
+    faults = {"faults": (name,)} if op_slots is None else {}
     register(Toggle(name=name, description=description, contract=EXACT, touches=ALL, kind="mutant",
-                    engine={**engine, **faults}, patch=patch, caught_by=caught_by, lives_in=lives_in,
+                    engine={**engine, **faults}, ops=op_slots or {}, caught_by=caught_by, lives_in=lives_in,
                     mutant_of=of, exercised_by=EXERCISED_BY.get(of, ())))
 
 
@@ -63,7 +63,7 @@ _opt("preemption", f"preempt the newest running request when the {DEVICE_TOKENS}
 
 _mut("mut_batch_plain_linear", "continuous_batching", "continuous batching on torch's plain GEMM "
      "(a row's bits depend on the batch)", CB, ("logits",), "ops/linear",
-     patch=lambda: ops.override(linear=ops.plain_linear))
+     op_slots={"linear": ops.plain_linear})
 _mut("mut_chunk_resets_conv", "chunked_prefill", "a prefill chunk after the first starts from zeroed "
      "conv windows", CHUNK, ("kda_state", "logits"), "kda/conv")
 _mut("mut_restore_skips_conv", "prefix_cache", "a prefix hit restores the recurrent state but leaves "

@@ -201,7 +201,7 @@ class KDAttention(nn.Module):
         """x [T, D] -> [T, D]; st (recurrent state and conv windows) is advanced in place."""
         q, k, v = self.qkv(x, st)
         g, beta = self.gates(x)
-        scan = OPS.kda_prefill or kda_recurrent
+        scan = (OPS.kda_decode if x.shape[0] == 1 else OPS.kda_prefill) or kda_recurrent
         o, st.recurrent = scan(q, k, v, g, beta, st.recurrent)
         return self.output(x, o)
 

@@ -116,12 +116,18 @@ class MLAttention(nn.Module):
         k_rope = rows[:, cfg.kv_lora_rank:].unsqueeze(1).expand(-1, h, -1)
         return torch.cat([kv[..., :nope], k_rope], -1), kv[..., nope:]
 
+    @staticmethod
+    def _over_rows(t_len: int):
+        """The op-table slot that owns attention over cache rows for a call of t_len queries."""
+        return OPS.mla_decode if t_len == 1 else OPS.mla_prefill
+
     def attend(self, q: torch.Tensor, rows: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
         """q [T, H, C] over cache rows [S, R] -> [T, H, Vd] fp32 (the decompressed reference)."""
-        if OPS.mla_absorbed is not None:
-            return OPS.mla_absorbed(self, q, rows, q_pos)
+        fast = self._over_rows(q.shape[0])
+        if fast is not None:
+            return fast(self, q, rows, q_pos)
         k, v = self.decompress(rows)
-        attn = OPS.mla_attention or blocked_attention
+        attn = OPS.attention or blocked_attention
         return attn(q, k, v, q_pos, self.cfg.qk_head_dim ** -0.5)
 
     def forward(self, x: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,13 +161,14 @@ class MLAttention(nn.Module):
         kv = new_kv if kv is None else torch.cat([kv.to(new_kv.dtype), new_kv], 0)
         q_pos = torch.arange(start, start + x.shape[0], device=x.device)
         q = self.queries(x)
-        if OPS.mla_absorbed is not None:        # a kernel toggle owns attention: give it rows
-            o = OPS.mla_absorbed(self, q, rows, q_pos)
+        fast = self._over_rows(q.shape[0])
+        if fast is not None:                    # a kernel toggle owns attention: give it rows
+            o = fast(self, q, rows, q_pos)
         else:
             kv3 = kv.view(rows.shape[0], h, nope + cfg.v_head_dim)
             k_rope = rows[:, cfg.kv_lora_rank:].unsqueeze(1).expand(-1, h, -1)
             k, v = torch.cat([kv3[..., :nope], k_rope], -1), kv3[..., nope:]
-            attn = OPS.mla_attention or blocked_attention
+            attn = OPS.attention or blocked_attention
             o = attn(q, k, v, q_pos, cfg.qk_head_dim ** -0.5)
         if cfg.mla_output_gate:
             o = o * sigmoid(lin(x, self.g_proj.weight).float()).view_as(o)

@@ -209,7 +209,7 @@ class K3Model(nn.Module):
         """K3: block snapshots of the residual stream, read through learned mixes."""
         cfg = self.config
         eps = cfg.rms_norm_eps
-        mix = AttnResRead.mix
+        mix = OPS.attn_res_mix or AttnResRead.mix
         snapshots: list[torch.Tensor] = []
         partial: torch.Tensor | None = embed
         for layer in self.model.layers:

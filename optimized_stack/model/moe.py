@@ -93,16 +93,21 @@ class MoE(nn.Module):
     def routed_part(self, x: torch.Tensor) -> torch.Tensor:
         """Router, routed experts and (K3) the latent down/up projections. x [T, D] -> [T, D]."""
         cfg, lin = self.cfg, OPS.linear
-        idx, w = self.gate(x)
+        idx, w = OPS.moe_route(self.gate, x) if OPS.moe_route is not None else self.gate(x)
+        experts = OPS.moe_experts or MoE.routed
         if cfg.routed_expert_hidden_size is not None:
             h = lin(x, self.routed_expert_down_proj.weight)                     # [T, L]
-            y = self.routed(h, idx, w).to(x.dtype)
+            y = experts(self, h, idx, w).to(x.dtype)
             return lin(rms_norm(y, self.routed_expert_norm.weight, cfg.rms_norm_eps),
                        self.routed_expert_up_proj.weight)
-        return self.routed(x, idx, w).to(x.dtype)
+        return experts(self, x, idx, w).to(x.dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def block(self, x: torch.Tensor) -> torch.Tensor:
+        """The reference order: routed part, then the shared experts, then the add."""
         y = self.routed_part(x)
         if self.cfg.num_shared_experts:
             y = y + self.shared_experts(x)
         return y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (OPS.moe_block or MoE.block)(self, x)

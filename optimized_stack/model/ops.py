@@ -32,6 +32,13 @@ from typing import Callable, Iterator
 import torch
 
 ROW_TILE = 8  # rows per fixed-shape GEMM tile; see module docstring
+# Output features are padded to a multiple of this with zero weight rows. Under MKL's
+# pinned COMPATIBLE branch (optimized_stack/numerics.py) a single-tile `mm` and a multi-tile
+# `bmm` give a row different bits when N is not a multiple of 16 (measured on the dev CPU:
+# N = 1, 2, 8, 12, 24, 40 at every K tried; 16, 32, 48, 64, ... never), so N = 8 (the router)
+# or 24 (an MLA cache row) would make decode differ from prefill. The padded columns are
+# sliced off; they only make every GEMM take the full-width kernel.
+COL_TILE = 16
 
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -47,6 +54,9 @@ def tiled_row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T as fixed-shape [8, D] tiles on any device: one GEMM shape whatever the
     batch, so a row's bits cannot depend on its neighbours."""
     lead, d = x.shape[:-1], x.shape[-1]
+    n_out = weight.shape[0]
+    if n_out % COL_TILE:
+        weight = torch.cat([weight, weight.new_zeros(-n_out % COL_TILE, d)])   # [N', D]
     x2 = x.reshape(-1, d)                                  # [T, D]
     t = x2.shape[0]
     n_tiles = max(1, -(-t // ROW_TILE))
@@ -54,11 +64,11 @@ def tiled_row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if pad:
         x2 = torch.cat([x2, x2.new_zeros(pad, d)])
     if n_tiles == 1:        # decode: one tile; mm of the same [8, D] shape gives the same bits
-        return torch.mm(x2, weight.t())[:t].reshape(*lead, weight.shape[0])
+        return torch.mm(x2, weight.t())[:t, :n_out].reshape(*lead, n_out)
     tiles = x2.view(n_tiles, ROW_TILE, d)                  # [n, 8, D]
-    w_t = weight.t().unsqueeze(0).expand(n_tiles, d, weight.shape[0])   # [n, D, N]
-    y = torch.bmm(tiles, w_t).reshape(n_tiles * ROW_TILE, -1)[:t]       # [T, N]
-    return y.reshape(*lead, weight.shape[0])
+    w_t = weight.t().unsqueeze(0).expand(n_tiles, d, weight.shape[0])   # [n, D, N']
+    y = torch.bmm(tiles, w_t).reshape(n_tiles * ROW_TILE, -1)[:t, :n_out]   # [T, N]
+    return y.reshape(*lead, n_out)
 
 
 _LANES = 64          # pad to a multiple of this many elements: whole SIMD iterations
@@ -134,19 +144,34 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class OpTable:
-    """The swappable implementations the model calls. The defaults are the reference.
+    """The swappable implementations the model calls, one slot per role. None (and
+    `row_linear`) is the reference; the model resolves a None slot to its own plain code.
 
-    A toggle replaces entries with `override(...)` and the old entries come back in
-    `finally`, so the model code has no fast-path `if`s.
+    A toggle replaces slots with `override(...)` and the old entries come back in `finally`,
+    so the model code has no fast-path `if`s. Prefill and decode are separate roles: a call
+    that appends one token is a decode, anything longer a prefill (or a verify chunk).
     """
 
+    # y = x @ W.T for every projection: x [.., D], W [N, D]
     linear: Callable[..., torch.Tensor] = row_linear
-    # kda_prefill(q, k, v, g, beta, state) -> (o [T,H,V], state); None: the recurrence
+    # KDA sequence op: (q, k, v, g, beta, state) -> (o [T, H, V] fp32, state [H, K, V] fp32);
+    # None: the recurrence (model/kda.py kda_recurrent)
     kda_prefill: Callable[..., object] | None = None
-    # mla_attention(q, k, v, q_pos, scale) -> o ; None: blocked exact-softmax reference
-    mla_attention: Callable[..., torch.Tensor] | None = None
-    # mla_decode(layer, q, rows, ...) -> o ; None: decompress rows then mla_attention
-    mla_absorbed: Callable[..., torch.Tensor] | None = None
+    kda_decode: Callable[..., object] | None = None
+    # MLA attention over the cache rows: (layer, q [T, H, C], rows [S, R], q_pos [T]) -> [T, H, Vd]
+    # fp32; None: decompress the rows, then `attention`
+    mla_prefill: Callable[..., torch.Tensor] | None = None
+    mla_decode: Callable[..., torch.Tensor] | None = None
+    # causal softmax attention over decompressed K/V: (q, k, v, q_pos, scale) -> [T, H, Vd] fp32;
+    # None: the blocked exact-softmax reference (model/mla.py blocked_attention)
+    attention: Callable[..., torch.Tensor] | None = None
+    # MoE: the router (router, x) -> (idx, w); the routed experts (moe, h, idx, w) -> [T, De]
+    # fp32; the whole block (moe, x) -> [T, D]; None: model/moe.py's plain code
+    moe_route: Callable[..., object] | None = None
+    moe_experts: Callable[..., torch.Tensor] | None = None
+    moe_block: Callable[..., torch.Tensor] | None = None
+    # AttnRes read: (candidates, norm_w, proj_w, eps) -> [T, D]; None: AttnResRead.mix
+    attn_res_mix: Callable[..., torch.Tensor] | None = None
 
 
 OPS = OpTable()

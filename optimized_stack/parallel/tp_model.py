@@ -182,7 +182,7 @@ class TPModel:
         cfg = self.config
         ids = ids.to(self.device)
         x = torch.nn.functional.embedding(ids, self.embed)                    # [T, D]
-        mix, eps = AttnResRead.mix, cfg.rms_norm_eps
+        mix, eps = OPS.attn_res_mix or AttnResRead.mix, cfg.rms_norm_eps
         snapshots: list[torch.Tensor] = []
         partial: torch.Tensor | None = x
         for L in self.layers:

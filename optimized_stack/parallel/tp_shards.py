@@ -85,7 +85,8 @@ class _KDAShard:
         a = exp(self.a_log.float()).view(1, h, 1)
         g = cfg.kda_gate_lower_bound * sigmoid(a * z) if cfg.variant == "k3" else -a * ops.softplus(z)
         beta = sigmoid(lin(x, self.b_w).float())
-        o, st.recurrent = (OPS.kda_prefill or kda_recurrent)(q, k, v, g, beta, st.recurrent)
+        scan = (OPS.kda_decode if x.shape[0] == 1 else OPS.kda_prefill) or kda_recurrent
+        o, st.recurrent = scan(q, k, v, g, beta, st.recurrent)
         o = rms_norm(o, self.o_norm.float(), cfg.rms_norm_eps)
         gate = lin(x, self.g_w) if self.g_a is None else lin(rep[1], self.g_w)
         o = o * sigmoid(gate.float()).view_as(o)
@@ -149,7 +150,7 @@ class _MLAShard:
             if self.h == 0:
                 return x.new_zeros(t_len, ctx.d), cache
             k, v = self._decompress(cache, self.kv_b, self.h)
-            o = (OPS.mla_attention or blocked_attention)(q, k, v, q_pos, scale)
+            o = (OPS.attention or blocked_attention)(q, k, v, q_pos, scale)
         if self.h == 0:
             return x.new_zeros(t_len, ctx.d), cache
         if self.g_w is not None:

@@ -1,0 +1,22 @@
+"""Exact toggles of the incremental path, run by the verifier's plain sequential runner
+(k3verify/runner.py reads their `runner` options), and the mutant of the state round trip."""
+from __future__ import annotations
+
+from ..toggles import EXACT, Toggle, register
+
+register(Toggle(
+    name="prefill_step_api", contract=EXACT, touches=("logits", "kda_state", "kda_conv", "mla_rows"),
+    description="prompt fed through the one-token step API instead of one whole-prompt forward",
+    runner={"prefill_chunk": 1}, devices=("cpu",)))
+
+register(Toggle(
+    name="state_offload_roundtrip", contract=EXACT, touches=("kda_state", "kda_conv", "mla_rows"),
+    description="after every step each request's KDA state and MLA rows are serialised to "
+                "bytes and restored into fresh tensors (what a host tier or swap does)",
+    runner={"state_roundtrip": True}))
+
+register(Toggle(
+    name="mut_roundtrip_drops_conv", kind="mutant", mutant_of="state_offload_roundtrip", contract=EXACT,
+    touches=("kda_conv",), description="state round trip restores the recurrent state but not the conv windows",
+    caught_by=("kda_state",), lives_in="kda/conv",
+    runner={"state_roundtrip": True, "roundtrip_drops_conv": True}))

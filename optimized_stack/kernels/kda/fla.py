@@ -1,0 +1,63 @@
+"""fla-core's KDA kernels (CUDA, Triton): the op-table forms and the batched training form.
+
+- `fla_chunk`: chunk_kda over one sequence with a start state (toggle kda_fla_chunk);
+- `fla_recurrent`: fused_recurrent_kda, the whole call in one kernel with the state in
+  registers (toggle kda_fla_recurrent; the decode-step kernel);
+- `kda_chunk_batched`: chunk_kda over [B, T, ...] from a zero state, for training.
+Op forms take the reference's arguments (model/ops.py): q, k, g [T, H, K], v [T, H, V],
+beta [T, H], state [H, K, V] fp32, and return (o [T, H, V] fp32, final state [H, K, V] fp32).
+q arrives l2-normed and scaled, so scale=1.0 and no in-kernel norm. fla is imported inside
+the functions: this module imports on a machine without fla or a GPU. Leading-underscore
+arguments switch in the mutants.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _state_in(state: torch.Tensor | None, transpose: bool) -> torch.Tensor | None:
+    if state is None:
+        return None
+    s = state.float()
+    if transpose:
+        s = s.transpose(-1, -2)
+    return s.unsqueeze(0).contiguous()
+
+
+def fla_chunk(q, k, v, g, beta, initial_state=None, *, _drop_state: bool = False):
+    """fla-core chunk_kda (chunks of 64 tokens; a T < 64 call is one padded chunk)."""
+    from fla.ops.kda import chunk_kda
+    init = None if _drop_state else _state_in(initial_state, False)
+    o, final = chunk_kda(q=q.unsqueeze(0), k=k.unsqueeze(0), v=v.unsqueeze(0),
+                         g=g.float().unsqueeze(0), beta=beta.float().unsqueeze(0), scale=1.0,
+                         initial_state=init, output_final_state=True)
+    return o[0].float(), final[0].float()
+
+
+def fla_recurrent(q, k, v, g, beta, initial_state=None, *, _transpose_state: bool = False):
+    """fla-core fused_recurrent_kda: the whole call in one kernel, state in registers."""
+    from fla.ops.kda import fused_recurrent_kda
+    if initial_state is None:
+        initial_state = q.new_zeros(q.shape[1], q.shape[2], v.shape[2], dtype=torch.float32)
+    o, final = fused_recurrent_kda(q=q.unsqueeze(0), k=k.unsqueeze(0), v=v.unsqueeze(0),
+                                   g=g.float().unsqueeze(0), beta=beta.float().unsqueeze(0), scale=1.0,
+                                   initial_state=_state_in(initial_state, _transpose_state),
+                                   output_final_state=True)
+    final = final[0].float()
+    if _transpose_state:
+        final = final.transpose(-1, -2).contiguous()
+    return o[0].float(), final
+
+
+def kda_chunk_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                      beta: torch.Tensor, io_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """fla's chunked KDA kernel; same arguments and result as kda_recurrent_batched.
+
+    q is already l2-normed and scaled, so scale=1.0 and no in-kernel norm. q, k, v travel
+    in io_dtype (bf16 halves the kernel's traffic); g and beta stay fp32.
+    """
+    from fla.ops.kda import chunk_kda
+
+    o, _ = chunk_kda(q=q.to(io_dtype), k=k.to(io_dtype), v=v.to(io_dtype), g=g.float(),
+                     beta=beta.float(), scale=1.0, initial_state=None, output_final_state=False)
+    return o.float()
