@@ -7,14 +7,20 @@ into report results (k3verify.report.schema) with one verdict each:
 
 - gsm8k: lm-eval's gsm8k task on both, joined per question (doc_id + lm-eval's
   prompt_hash, so a changed prompt cannot be paired by accident); one result per
-  lm-eval filter, judged by the paired non-inferiority test (stats.paired_test),
-  never by a raw score compare.
-- needle: one result per (length, depth) cell; the candidate's recall must not be
-  below the reference's on any cell.
-- kvv: one result per KVV contract check or imported benchmark score.
+  lm-eval filter with the three-way verdict of stats.paired_test (pass / fail /
+  inconclusive: Tango's score bound, the exact McNemar test, the n the margin needs),
+  never a raw score compare. Every result carries the MDE and the n the margin needs.
+- needle: one result per (length, depth) cell, paired per case: the candidate must
+  recall every needle the reference recalled; a cell where the reference recalled
+  none is inconclusive (no candidate could lose recall there).
+- kvv: one result per KVV contract check or imported benchmark score, plus an
+  inconclusive result when none of them passed (all skipped: no evidence either way).
 
 Without a candidate a gate is a measurement: its results pass, say so in their
 reason, and fail only below an explicit floor (min_accuracy / min_recall).
+A smoke run (gsm8k smoke=True) keeps its statistical status but is marked
+role "smoke": its pass or inconclusive never counts as the gate holding; its fail or
+error still fails (report/schema.py).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from k3verify.stats import paired_test, wilson_interval
+from k3verify.stats import n_min_for_margin, paired_mde, paired_test, wilson_interval
 from optimized_stack.errors import K3Error
 
 FILTERS = ("strict-match", "flexible-extract")
@@ -58,7 +64,9 @@ class GateRun:
 
     @property
     def passed(self) -> bool:
-        return all(r["status"] in ("pass", "skip") for r in self.results)
+        """Every result passed or was skipped, and at least one passed (all skipped is no evidence)."""
+        statuses = [r["status"] for r in self.results]
+        return "pass" in statuses and all(s in ("pass", "skip") for s in statuses)
 
 
 def make_result(toggle: str, kind: str, contract: str, check: str, status: str, reason: str, *,
@@ -130,13 +138,13 @@ def _run_meta(run: dict) -> dict:
 
 def gsm8k_gate(ref_fn: GenerateFn, cand_fn: GenerateFn | None = None, *, toggle: str | None = None,
                margin: float = 0.01, alpha: float = 0.05, beta: float = 0.2, min_accuracy: float | None = None,
-               progress: Progress | None = None, **run_kwargs: Any) -> GateRun:
+               smoke: bool = False, progress: Progress | None = None, **run_kwargs: Any) -> GateRun:
     """Run lm-eval's gsm8k on ref_fn (and cand_fn, same questions and few-shot seed) and judge.
 
     run_kwargs go to k3verify.evals.gsm8k.run_gsm8k (dataset, data_dir, limit, num_fewshot,
-    seed, max_new_tokens, cache_dir, ...). With cand_fn each filter's result passes when the
-    paired non-inferiority bound at `margin` holds; without it the run is a measurement that
-    fails only below min_accuracy.
+    seed, max_new_tokens, cache_dir, ...). With cand_fn each filter's status is the paired
+    verdict at `margin` (stats.py: pass, fail or inconclusive); without it the run is a
+    measurement that fails only below min_accuracy. smoke marks every result role "smoke".
     """
     from k3verify.evals.gsm8k import run_gsm8k
 
@@ -169,9 +177,14 @@ def gsm8k_gate(ref_fn: GenerateFn, cand_fn: GenerateFn | None = None, *, toggle:
             acc, n = ref["accuracy"][flt], ref["n"]
             k = sum(_outcomes(ref, flt).values())
             extra["accuracy"] = [{"label": "reference", "value": acc, "ci": _ci(k, n, alpha)}]
+            # What a paired gate at this n could detect: the MDE at one discordant pair.
+            extra.update(mde=paired_mde(n, 1.0 / n, alpha, beta), n_min=n_min_for_margin(margin, alpha, beta))
+            need = "more than any n" if extra["n_min"] is None else f"n >= {extra['n_min']}"
             if min_accuracy is None:
                 status, reason = "pass", (f"measured accuracy {acc:.4f} ({k}/{n}); no gate: pass --toggle for the "
-                                          f"paired test or a minimum accuracy for a floor")
+                                          f"paired test or a minimum accuracy for a floor (a paired gate at n={n} "
+                                          f"detects drops of {100 * extra['mde']:.2f} points; a margin of "
+                                          f"{margin:g} needs {need})")
             else:
                 ok = acc >= min_accuracy
                 status = "pass" if ok else "fail"
@@ -180,17 +193,22 @@ def gsm8k_gate(ref_fn: GenerateFn, cand_fn: GenerateFn | None = None, *, toggle:
             p = paired_test(_outcomes(ref, flt), _outcomes(cand, flt), margin=margin, alpha=alpha, beta=beta)
             paired[flt] = p
             extra["accuracy"] = p.to_dict()
-            status = "pass" if p.noninferior else "fail"
-            reason = (f"paired non-inferiority at margin {margin:g}: d={p.d:+.4f}, one-sided bound "
-                      f"{p.lower_bound:+.4f} {'>' if p.noninferior else '<='} {-margin:+g}; discordant "
-                      f"b={p.b} (ref right, cand wrong) c={p.c}, McNemar p={p.mcnemar_p:.3g}; "
-                      f"accuracy ref {p.acc_ref:.4f} cand {p.acc_cand:.4f}. {p.power_note}")
+            extra.update(mde=p.mde, n_min=p.n_min)
+            status = p.verdict
+            reason = (f"{p.verdict_reason}. Paired non-inferiority at margin {margin:g}: d={p.d:+.4f}, one-sided "
+                      f"{1 - alpha:.0%} Tango score bounds [{p.lower_bound:+.4f}, {p.upper_bound:+.4f}]; discordant "
+                      f"b={p.b} (ref right, cand wrong) c={p.c}, McNemar exact p={p.mcnemar_p:.3g} (two-sided), "
+                      f"{p.p_worse:.3g} (worse); accuracy ref {p.acc_ref:.4f} cand {p.acc_cand:.4f}; "
+                      f"MDE {100 * p.mde:.2f} points. {p.power_note}")
+        if smoke:
+            extra["role"] = "smoke"
+            reason = f"smoke test (does not count toward the toggle's verdict): {reason}"
         results.append(make_result(name, kind, contract, f"gsm8k/{flt}", status, reason, scenario=scenario,
                                    duration_s=seconds / len(FILTERS), **extra))
     details = {"reference": _run_meta(ref), "candidate": None if cand is None else _run_meta(cand),
                "accuracy": {"reference": ref["accuracy"], "candidate": None if cand is None else cand["accuracy"]},
                "paired": {f: p.to_dict() for f, p in paired.items()}, "margin": margin, "alpha": alpha,
-               "beta": beta, "min_accuracy": min_accuracy, "toggle": toggle}
+               "beta": beta, "min_accuracy": min_accuracy, "toggle": toggle, "smoke": smoke}
     return GateRun("gsm8k", results, details)
 
 
@@ -273,8 +291,10 @@ def needle_gate(model, tokenizer, cases: Sequence, *, toggle: str | None = None,
     """Recall per (length, depth) cell for the reference and, with a toggle, the candidate.
 
     fast (or any case above AUTO_FAST_ABOVE_TOKENS) runs both sides with FAST_TOGGLES on;
-    the candidate is then FAST_TOGGLES + toggle. With a toggle, a cell passes when the
-    candidate's recall is not below the reference's.
+    the candidate is then FAST_TOGGLES + toggle. With a toggle, cases are paired by name: a
+    cell fails when the candidate misses a needle the reference recalled, is inconclusive
+    when the reference recalled none (nothing there could be lost), is skipped when the
+    toggle is itself in the fast base (both sides ran it), and passes otherwise.
     """
     if not cases:
         raise K3Error("needle_gate needs at least one case, got none")
@@ -311,11 +331,25 @@ def needle_gate(model, tokenizer, cases: Sequence, *, toggle: str | None = None,
             seconds += sum(o["prefill_s"] + o["decode_s"] for o in crows)
             accuracy.append({"label": "candidate", "value": kc / n, "ci": _ci(kc, n, alpha)})
             extra["candidate_cases"] = crows
-            ok = kc >= k
-            status = "pass" if ok else "fail"
-            reason = f"recall candidate {kc}/{n} {'>=' if ok else '<'} reference {k}/{n}"
-            if toggle in base:
-                reason += f" (note: {toggle} is already in the fast base, so both sides ran the same path)"
+            # Per case, not per count: a candidate that recalls a different needle than the
+            # reference has still lost one.
+            cand_found = {o["name"]: o["found"] for o in crows}
+            lost = [o["name"] for o in rows if o["found"] and not cand_found[o["name"]]]
+            if lost:
+                status = "fail"
+                reason = (f"the candidate missed {len(lost)} needle(s) the reference recalled ({', '.join(lost[:3])}"
+                          f"{', ...' if len(lost) > 3 else ''}); recall candidate {kc}/{n}, reference {k}/{n}")
+            elif k == 0:
+                status = "inconclusive"
+                reason = (f"inconclusive: the reference recalled 0/{n} needles in this cell, so no candidate could "
+                          f"lose recall here (candidate {kc}/{n}); the cell carries no evidence")
+            else:
+                status = "pass"
+                reason = f"the candidate recalled every needle the reference did: candidate {kc}/{n}, reference {k}/{n}"
+            if toggle in base and status != "fail":      # a pass here would be the path against itself
+                status = "skip"
+                reason = (f"{toggle} is in the fast base ({' + '.join(base)}) on both sides, so this cell compares "
+                          f"the path with itself and cannot judge it ({reason})")
         extra["accuracy"] = accuracy
         results.append(make_result(name, kind, contract, "needle", status, reason,
                                    scenario=f"L{length}-d{round(depth * 100)}", duration_s=seconds, **extra))
@@ -328,15 +362,29 @@ def needle_gate(model, tokenizer, cases: Sequence, *, toggle: str | None = None,
 # KVV
 # ---------------------------------------------------------------------------
 
+def _nothing_passed(toggle: str, contract: str, check: str, what: str, results: list[dict],
+                    scenario: str) -> list[dict]:
+    """[an inconclusive result] when no result passed and none failed: all skipped is no evidence."""
+    statuses = [r["status"] for r in results]
+    if "pass" in statuses or "fail" in statuses or "error" in statuses:
+        return []
+    reasons = "; ".join(dict.fromkeys(r["reason"] for r in results))[:300]
+    return [make_result(toggle, "optimization", contract, check, "inconclusive",
+                        f"inconclusive: none of the {len(results)} {what} passed, every one was skipped ({reasons})",
+                        scenario=scenario)]
+
+
 def kvv_gate(kvv_out: dict, seconds: float = 0.0) -> GateRun:
     """run_kvv's output -> one result per contract check (pass / fail / skip with its reason)."""
     checks = kvv_out["checks"]
     if not checks:
         raise K3Error("run_kvv returned no checks; expected at least one")
     each = seconds / len(checks)
+    scenario = f"{kvv_out['model']} @ {kvv_out['endpoint']}"
     results = [make_result("endpoint", "optimization", "KVV API contract", f"kvv/{c['name']}", c["status"],
-                           c["reason"] or c["status"], scenario=f"{kvv_out['model']} @ {kvv_out['endpoint']}",
-                           duration_s=each) for c in checks]
+                           c["reason"] or c["status"], scenario=scenario, duration_s=each) for c in checks]
+    results += _nothing_passed("endpoint", "KVV API contract", "kvv/any-check", "KVV contract checks", results,
+                               scenario)
     return GateRun("kvv", results, {k: kvv_out[k] for k in ("endpoint", "model", "summary", "passed")})
 
 
@@ -346,4 +394,6 @@ def kvv_import_gate(imported: dict) -> GateRun:
                            f"kvv/{b['name']}", b["status"], b["reason"], scenario=imported["source"],
                            score=b["score"], low=b["low"], high=b["high"])
                for b in imported["benchmarks"]]
+    results += _nothing_passed("kvv-import", "vendor ranges", "kvv/any-benchmark", "imported benchmark scores",
+                               results, imported["source"])
     return GateRun("kvv-import", results, {k: imported[k] for k in ("source", "ranges_version", "summary", "passed")})

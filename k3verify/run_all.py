@@ -12,9 +12,11 @@ Run directory (reports/<run-id>/ or --report-dir):
 Verdict per optimization toggle (mutants are negative controls, not verdicts):
 - rejected: a contract check failed or errored (which check, first divergence, link);
 - counted:  its contract held: every check that ran passed, and for an approx toggle
-            every quality gate its contract names passed too; the bench speedup (if
-            measured) is counted;
-- skipped:  nothing proved the contract here (the reasons).
+            every quality gate its contract names passed too (a gate passes when one of
+            its results passed, none was inconclusive, and it was not only a smoke test);
+            the bench speedup (if measured) is counted;
+- skipped:  not counted: nothing proved the contract here, or a quality gate was
+            inconclusive or ran only as a smoke test (the reasons).
 """
 from __future__ import annotations
 
@@ -300,7 +302,7 @@ def suite_of(plan: dict) -> Suite:
 
 def _status_of(rows: list[dict]) -> str:
     statuses = {r["status"] for r in rows}
-    return next((s for s in ("error", "fail", "pass") if s in statuses), "skip")
+    return next((s for s in ("error", "fail", "inconclusive", "pass") if s in statuses), "skip")
 
 
 def _reasons(rows: list[dict], status: str = "skip") -> str:
@@ -321,7 +323,8 @@ def toggle_verdicts(results: list[dict]) -> list[dict]:
         gate_rows = [r for r in rows if r.get("gate")]
         bench = [r for r in rows if r["check"] == "bench" and r.get("speedup")]
         v = {"toggle": name, "contract": t.contract.describe(), "verdict": "skipped", "reason": "",
-             "checks": {s: sum(r["status"] == s for r in rows) for s in ("pass", "fail", "skip", "error")},
+             "checks": {s: sum(r["status"] == s for r in rows)
+                        for s in ("pass", "fail", "skip", "error", "inconclusive")},
              "scenarios": sorted({r["scenario"] for r in contract_rows if r["scenario"] and r["status"] == "pass"}),
              "speedup": None, "failed_check": None, "first_divergence": None, "localization": None,
              "report": f"toggles/{name}/report.md"}
@@ -339,7 +342,19 @@ def toggle_verdicts(results: list[dict]) -> list[dict]:
             missing = []
             for g in t.contract.quality if t.contract.kind == "approx" else ():
                 mine = [r for r in gate_rows if r["gate"] == g]
-                if not any(r["status"] == "pass" for r in mine):
+                counting = [r for r in mine if r.get("role") != "smoke"]   # a smoke test never proves a gate
+                undecided = [r for r in counting if r["status"] == "inconclusive"]
+                # the paired verdict's own line, not the whole evidence paragraph of a gsm8k reason
+                short = "; ".join(dict.fromkeys(
+                    r["accuracy"].get("verdict_reason", r["reason"]) if isinstance(r.get("accuracy"), dict)
+                    else r["reason"] for r in (undecided or mine)))
+                if undecided:
+                    missing.append(f"{g} inconclusive ({short})")
+                elif any(r["status"] == "pass" for r in counting):
+                    continue
+                elif mine and not counting:
+                    missing.append(f"{g} ran only as a smoke test, which counts toward no verdict ({short})")
+                else:
                     missing.append(f"{g} ({_reasons(mine) or 'not in this suite'})")
             on = ", ".join(v["scenarios"]) or "its scenarios"
             if missing:
@@ -361,8 +376,9 @@ def check_statuses(plan: dict, results: list[dict]) -> list[dict]:
         rows = [r for r in results if r.get("suite_check") == c["name"]]
         status = _status_of(rows)
         out.append({"index": c["index"], "name": c["name"], "kind": c["kind"], "status": status,
-                    "counts": {s: sum(r["status"] == s for r in rows) for s in ("pass", "fail", "skip", "error")},
-                    "reason": _reasons(rows, "skip")[:500] if status == "skip" else ""})
+                    "counts": {s: sum(r["status"] == s for r in rows)
+                               for s in ("pass", "fail", "skip", "error", "inconclusive")},
+                    "reason": _reasons(rows, status)[:500] if status in ("skip", "inconclusive") else ""})
     return out
 
 

@@ -85,7 +85,8 @@ def problems(report: Mapping[str, Any]) -> list[str]:
     out = []
     s = report["summary"]
     if s["verdict"] != "pass":
-        out.append(f"{s['failed']} checks failed and {s['errors']} errored")
+        out.append(f"{s['failed']} checks failed, {s['errors']} errored and "
+                   f"{s.get('inconclusive', 0)} were inconclusive")
     for c in report["suite"].get("checks", []):
         if c["status"] != "pass":
             out.append(f"suite check {c['name']!r} ({c['kind']}) {c['status']}" + (f": {c['reason']}" if c.get("reason") else ""))

@@ -81,21 +81,46 @@ def test_gsm8k_cli_floor_fails_a_random_model(capsys, tmp_path, tiny_model):
     assert {r["status"] for r in load(tmp_path)["results"]} == {"fail"}
 
 
-def test_gsm8k_cli_toggle_gives_a_paired_result(capsys, tmp_path, tiny_model):
-    code, out, _ = cli(capsys, "gsm8k", "--toggle", "kda_chunked", "--limit", 2, "--dataset", "synth",
-                       "--num-fewshot", 1, "--max-new-tokens", 4, "--model", tiny_model,
-                       "--report-dir", tmp_path, "--json")
+ISSUE_16_ARGS = ("--dataset", "synth", "--limit", 2, "--toggle", "kda_chunked", "--num-fewshot", 0,
+                 "--max-new-tokens", 32)  # the command issue 16 found passing on no evidence
+N2_REASON = "n=2 cannot resolve a margin of 1 point; need n >= 268"
+
+
+def test_gsm8k_cli_zero_discordance_at_n2_is_inconclusive(capsys, tmp_path, tiny_model):
+    code, out, _ = cli(capsys, "gsm8k", *ISSUE_16_ARGS, "--model", tiny_model, "--report-dir", tmp_path)
     report = load(tmp_path)
+    assert code == 1, "a gate that could not decide must not let a merge through"
+    assert out.strip().splitlines()[-1] == f"verdict: inconclusive: {N2_REASON}"
+    assert report["summary"]["verdict"] == "inconclusive" and report["summary"]["inconclusive"] == 2
     for r in report["results"]:
         paired = r["accuracy"]
         assert r["toggle"] == "kda_chunked" and r["contract"].startswith("approx(")
-        assert paired["n"] == 2 and paired["b"] + paired["c"] <= 2
-        assert {"mcnemar_p", "lower_bound", "noninferior", "mde", "power_note"} <= set(paired)
-        assert r["status"] == ("pass" if paired["noninferior"] else "fail")
+        # on an untrained model both sides answer wrong: no discordant pair, both at 0%
+        assert (paired["n"], paired["b"], paired["c"], paired["acc_ref"]) == (2, 0, 0, 0.0)
+        assert r["status"] == paired["verdict"] == "inconclusive"
+        assert r["reason"].startswith(f"inconclusive: {N2_REASON}")
+        assert r["mde"] == paired["mde"] > 1 and r["n_min"] == paired["n_min"] == 268, "the MDE is in the evidence"
+        assert "MDE 124.32 points" in r["reason"]
         assert all("cand_response" in q and "ref_response" in q for q in r["questions"])
-    # on an untrained model both sides answer wrong: no discordant pair, so the gate passes
-    assert code == 0 and all(r["accuracy"]["b"] == r["accuracy"]["c"] == 0 for r in report["results"])
-    assert json.loads(out.strip().splitlines()[-1])["paired"]["strict-match"]["b"] == 0
+
+
+def test_gsm8k_cli_smoke_is_inconclusive_but_does_not_block(capsys, tmp_path, tiny_model):
+    code, out, _ = cli(capsys, "gsm8k", *ISSUE_16_ARGS, "--smoke", "--model", tiny_model, "--report-dir", tmp_path,
+                       "--json")
+    report = load(tmp_path)
+    assert code == 0 and report["summary"]["verdict"] == "pass" and report["summary"]["inconclusive"] == 2
+    assert all(r["role"] == "smoke" and r["status"] == "inconclusive" for r in report["results"])
+    assert all(r["reason"].startswith("smoke test (does not count toward the toggle's verdict)")
+               for r in report["results"])
+    last = json.loads(out.strip().splitlines()[-1])
+    assert last["verdict_line"] == f"verdict: pass (smoke test): inconclusive: {N2_REASON}"
+
+
+@pytest.mark.slow
+def test_gsm8k_issue_16_command_on_the_embedded_model(capsys, tmp_path):
+    # the exact command of the issue, on the default k3-mini (~6 s per question per side)
+    code, out, _ = cli(capsys, "gsm8k", *ISSUE_16_ARGS, "--report-dir", tmp_path)
+    assert code == 1 and out.strip().splitlines()[-1].startswith("verdict: inconclusive: n=2 cannot resolve")
 
 
 def test_gsm8k_cli_base_url_matches_the_embedded_model(capsys, tmp_path, tiny_model):
@@ -129,11 +154,15 @@ def test_paired_gate_fails_when_the_candidate_turns_wrong():
         assert "b=5" in r["reason"] and "McNemar" in r["reason"]
 
 
-def test_paired_gate_passes_an_identical_candidate():
+def test_paired_gate_passes_an_identical_candidate_only_at_a_resolving_n():
     fn = lookup_generate_fn(TRUE_ANSWERS)
-    run = quality.gsm8k_gate(fn, fn, data_dir=DATA, limit=5)
-    assert run.passed and all(r["accuracy"]["b"] == r["accuracy"]["c"] == 0 for r in run.results)
-    assert run.details["accuracy"]["reference"] == {"strict-match": 1.0, "flexible-extract": 1.0}
+    small = quality.gsm8k_gate(fn, fn, data_dir=DATA, limit=5, num_fewshot=0)
+    assert not small.passed and {r["status"] for r in small.results} == {"inconclusive"}
+    assert all(r["accuracy"]["b"] == r["accuracy"]["c"] == 0 for r in small.results)
+    assert small.details["accuracy"]["reference"] == {"strict-match": 1.0, "flexible-extract": 1.0}
+    large = quality.gsm8k_gate(fn, fn, data_dir=DATA, limit=300, num_fewshot=0)
+    assert large.passed and {r["status"] for r in large.results} == {"pass"}
+    assert all(r["accuracy"]["lower_bound"] > -0.01 and r["mde"] < 0.01 for r in large.results)
 
 
 def test_toggled_applies_the_toggle_only_during_generation():
@@ -198,6 +227,50 @@ def test_needle_gate_fails_a_cell_the_candidate_forgets(monkeypatch, toggle, ver
     assert {r["status"] for r in run.results} == {"pass" if verdict else "fail"}
 
 
+def _oracle_found(found_names):
+    """Recalls exactly the named cases on the reference path and the others under any toggle."""
+    def generate(model, tokenizer, prompt, max_new_tokens=quality.NEEDLE_MAX_NEW_TOKENS):
+        value = re.search(r"magic numbers for [a-z-]+ is: ([0-9]{7})", prompt).group(1)
+        name = next(c.name for c in _ORACLE_CASES if c.prompt == prompt)
+        found = (name in found_names) == (ops.OPS.kda_prefill is None)
+        return {"text": value if found else "0000000", "prompt_tokens": len(prompt), "new_tokens": 7,
+                "prefill_s": 0.0, "decode_s": 0.0}
+    return generate
+
+
+_ORACLE_CASES = [c for s in (3, 4) for c in needle.grid([600], [0.5], seed=s)]  # one cell, two samples
+
+
+def test_needle_gate_pairs_cases_not_counts(monkeypatch):
+    # reference recalls sample s3 only, kda_chunked recalls s4 only: 1/2 on both sides, one needle lost
+    monkeypatch.setattr(quality, "needle_generate", _oracle_found({_ORACLE_CASES[0].name}))
+    (r,) = quality.needle_gate(None, None, _ORACLE_CASES, toggle="kda_chunked").results
+    assert [a["value"] for a in r["accuracy"]] == [0.5, 0.5]
+    assert r["status"] == "fail" and f"missed 1 needle(s) the reference recalled ({_ORACLE_CASES[0].name})" in r["reason"]
+
+
+def test_needle_cell_the_reference_cannot_recall_is_inconclusive(monkeypatch):
+    monkeypatch.setattr(quality, "needle_generate", _oracle_found(set()))   # reference 0/2, candidate 2/2
+    run = quality.needle_gate(None, None, _ORACLE_CASES, toggle="kda_chunked")
+    (r,) = run.results
+    assert r["status"] == "inconclusive" and not run.passed
+    assert r["reason"].startswith("inconclusive: the reference recalled 0/2 needles in this cell")
+    # negative control: the same cell with the reference recalling both passes
+    monkeypatch.setattr(quality, "needle_generate", _oracle_found({c.name for c in _ORACLE_CASES}))
+    assert quality.needle_gate(None, None, _ORACLE_CASES, toggle="mla_sdpa").results[0]["status"] == "pass"
+
+
+def test_needle_cell_of_a_toggle_in_the_fast_base_is_a_skip(monkeypatch):
+    # above 16K (or with fast) both sides run kda_chunked + mla_sdpa: for those two the cell
+    # compares a path with itself, which used to pass
+    monkeypatch.setattr(quality, "needle_generate", _oracle_found(set()))   # fast base: both recall all
+    (r,) = quality.needle_gate(None, None, _ORACLE_CASES, toggle="kda_chunked", fast=True).results
+    assert r["status"] == "skip" and "compares the path with itself" in r["reason"]
+    # negative control: a toggle outside the fast base is judged
+    (r,) = quality.needle_gate(None, None, _ORACLE_CASES, toggle="mla_absorbed", fast=True).results
+    assert r["status"] == "pass" and r["base_toggles"] == list(quality.FAST_TOGGLES)
+
+
 @pytest.mark.slow
 def test_needle_108k_cell_runs_on_the_cpu(capsys, tmp_path):
     code, out, err = cli(capsys, "needle", "--lengths", 108000, "--depths", 0.5, "--report-dir", tmp_path, "--json")
@@ -249,6 +322,22 @@ def test_kvv_import(capsys, tmp_path, scores, code):
     results = {r["check"]: r for r in load(tmp_path / "r")["results"]}
     assert set(results) == {"kvv/OCRBench", "kvv/MMMU-Pro Vision", "kvv/BEAM 1M", "kvv/DeepSWE"}
     assert (results["kvv/MMMU-Pro Vision"]["status"] == "pass") is (code == 0)
+
+
+def test_kvv_import_with_no_score_is_inconclusive(capsys, tmp_path):
+    path = tmp_path / "kvv.json"
+    path.write_text(json.dumps({"OCRBench": "TBD", "DeepSWE": None}))
+    code, out, _ = cli(capsys, "kvv", "import", path, "--report-dir", tmp_path / "r")
+    results = {r["check"]: r for r in load(tmp_path / "r")["results"]}
+    assert code == 1 and load(tmp_path / "r")["summary"]["verdict"] == "inconclusive"
+    assert results["kvv/OCRBench"]["status"] == "skip"
+    assert results["kvv/any-benchmark"]["status"] == "inconclusive"
+    assert results["kvv/any-benchmark"]["reason"].startswith("inconclusive: none of the 2 imported benchmark scores "
+                                                            "passed, every one was skipped")
+    # negative control: one real score in range and the skip no longer stands alone
+    path.write_text(json.dumps({"OCRBench": 0.88, "DeepSWE": None}))
+    assert cli(capsys, "kvv", "import", path, "--report-dir", tmp_path / "r2")[0] == 0
+    assert "kvv/any-benchmark" not in {r["check"] for r in load(tmp_path / "r2")["results"]}
 
 
 def test_serve_cli_rejects_a_bad_port(capsys):

@@ -59,7 +59,8 @@ def test_hand_built_report_validates_and_summary_counts():
     report = _report()
     validate_report(report)
     assert report["schema_version"] == SCHEMA_VERSION == 1
-    assert report["summary"] == {"passed": 1, "failed": 1, "skipped": 1, "errors": 0, "verdict": "fail"}
+    assert report["summary"] == {"passed": 1, "failed": 1, "skipped": 1, "errors": 0, "inconclusive": 0,
+                                 "verdict": "fail"}
 
 
 def test_validate_rejects_missing_summary():
@@ -72,7 +73,8 @@ def test_validate_rejects_missing_summary():
 def test_validate_rejects_unknown_status():
     report = _report()
     report["results"][0]["status"] = "maybe"
-    with pytest.raises(ValueError, match=r"results\[0\]\.status: expected one of pass, fail, skip, error, got 'maybe'"):
+    expected = r"results\[0\]\.status: expected one of pass, fail, skip, error, inconclusive, got 'maybe'"
+    with pytest.raises(ValueError, match=expected):
         validate_report(report)
 
 
@@ -104,6 +106,78 @@ def test_verdict_passes_only_without_failures_or_errors():
     assert ok["summary"]["verdict"] == "pass"
     bad = build_report("r", "c", {}, [_result(), _result(status="error", reason="backend crashed")])
     assert bad["summary"]["verdict"] == "fail"
+
+
+# ---------------------------------------------------------------- inconclusive
+
+
+def _inconclusive(**over) -> dict:
+    """A gsm8k result at n=2 with zero discordance, as the gate writes it."""
+    from k3verify.stats import paired_from_counts
+
+    paired = paired_from_counts(2, 0, 0, 0).to_dict()
+    return _result(toggle="kda_chunked", contract="approx(max_kl=0.001)", check="gsm8k/strict-match",
+                   scenario="gsm8k_synth n=2", status="inconclusive", reason=paired["verdict_reason"],
+                   accuracy=paired, mde=paired["mde"], n_min=paired["n_min"], **over)
+
+
+def test_inconclusive_round_trips_through_every_view(tmp_path):
+    report = build_report("r-inc", "k3verify gsm8k --toggle kda_chunked", {}, [_result(), _inconclusive()])
+    assert report["summary"] == {"passed": 1, "failed": 0, "skipped": 0, "errors": 0, "inconclusive": 1,
+                                 "verdict": "inconclusive"}
+    paths = write_report(tmp_path, report)
+    assert load_report(tmp_path) == json.loads(json.dumps(report))
+    reason = "inconclusive: n=2 cannot resolve a margin of 1 point; need n >= 268"
+    md = paths["md"].read_text()
+    assert "**Verdict: INCONCLUSIVE** - 1 passed, 0 failed, 0 skipped, 0 errors, 1 inconclusive" in md
+    assert "| *inconclusive* |" in md and f"## Inconclusive (not a pass)\n\n- kda_chunked / gsm8k/strict-match" in md
+    assert reason in md
+    html = paths["html"].read_text()
+    assert '<span class="verdict inconclusive">INCONCLUSIVE</span>' in html
+    assert '<span class="inconclusive">inconclusive</span>' in html and "<h2>Inconclusive (not a pass)</h2>" in html
+    root = ET.parse(paths["junit"]).getroot()
+    assert (root.get("tests"), root.get("failures"), root.get("skipped"), root.get("errors")) == ("2", "0", "1", "0")
+    case = root.find("testsuite[@name='kda_chunked']/testcase")
+    skipped = case.find("skipped")
+    assert skipped is not None and case.find("failure") is None, "an inconclusive gate is never a passing test"
+    assert skipped.get("message") == reason and skipped.get("type") == "Inconclusive"
+    # the unprefixed reason of another gate gets the word
+    other = render_junit(build_report("r", "c", {}, [_result(status="inconclusive", reason="no needle recalled")]))
+    assert ET.fromstring(other).find(".//skipped").get("message") == "inconclusive: no needle recalled"
+
+
+def test_smoke_inconclusive_leaves_the_verdict_alone_but_a_smoke_failure_fails():
+    smoke = build_report("r", "c", {}, [_result(), _inconclusive(role="smoke")])
+    assert smoke["summary"]["verdict"] == "pass" and smoke["summary"]["inconclusive"] == 1
+    assert "inconclusive (smoke)" in render_markdown(smoke)
+    assert "role: smoke" in render_junit(smoke)
+    broken = build_report("r", "c", {}, [_result(status="fail", reason="worse", role="smoke")])
+    assert broken["summary"]["verdict"] == "fail", "no mode turns a failure into a warning"
+
+
+def test_validate_rejects_an_inconclusive_called_a_pass():
+    # negative control: a summary that hides an undecided gate is refused
+    report = build_report("r", "c", {}, [_inconclusive()])
+    report["summary"]["verdict"] = "pass"
+    with pytest.raises(ValueError, match=r"summary.verdict: results give 'inconclusive', summary says 'pass'"):
+        validate_report(report)
+    report = build_report("r", "c", {}, [_inconclusive()])
+    report["results"][0]["reason"] = ""
+    with pytest.raises(ValueError, match=r"an inconclusive must state its reason"):
+        validate_report(report)
+    report["results"][0].update(reason="r", role="warmup")
+    with pytest.raises(ValueError, match=r"results\[0\]\.role: expected one of gate, smoke, got 'warmup'"):
+        validate_report(report)
+
+
+def test_version_1_reports_from_before_inconclusive_still_load(tmp_path):
+    old = _report()
+    del old["summary"]["inconclusive"]
+    validate_report(old)                                   # absent count reads as 0
+    old["results"].append(_inconclusive())
+    old["summary"]["verdict"] = "fail"
+    with pytest.raises(ValueError, match=r"summary.inconclusive: results give 1, summary says 0"):
+        validate_report(old)
 
 
 # ---------------------------------------------------------------- renderers

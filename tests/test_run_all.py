@@ -143,6 +143,61 @@ def test_approx_toggle_counts_only_when_its_quality_gates_pass():
     assert v["verdict"] == "rejected" and "gsm8k failed" in v["reason"]
 
 
+N2 = "inconclusive: n=2 cannot resolve a margin of 1 point; need n >= 268"
+
+
+def _gsm8k_row(status, reason=N2, **extra):
+    """A gate row as `k3verify gsm8k` writes it: the long evidence reason, the verdict line in accuracy."""
+    return _row("kda_chunked", "gsm8k/strict-match", status, f"{reason}. Paired non-inferiority ... MDE 124.32 points",
+                gate="gsm8k", accuracy={"verdict": status, "verdict_reason": reason}, **extra)
+
+
+def test_an_inconclusive_or_smoke_quality_gate_is_not_counted():
+    drift = _row("kda_chunked", "drift_budget", "pass")
+    needle_ok = _row("kda_chunked", "needle", "pass", gate="needle")
+    bench = _row("kda_chunked", "bench", "pass", speedup={"ratio": 1.5, "ci": [1.4, 1.6], "counted": True})
+    # negative control first: the same rows with gsm8k passing count, with the speedup
+    (v,) = run_all.toggle_verdicts([drift, _gsm8k_row("pass", "pass: non-inferior"), needle_ok, bench])
+    assert v["verdict"] == "counted" and v["speedup"]["counted"] is True
+    (v,) = run_all.toggle_verdicts([drift, _gsm8k_row("inconclusive"), needle_ok, bench])
+    assert v["verdict"] == "skipped" and v["speedup"] is None and v["checks"]["inconclusive"] == 1
+    assert v["reason"].endswith(f"quality gates did not pass here: gsm8k inconclusive ({N2})")
+    for status in ("inconclusive", "pass"):            # a smoke test never proves the gate, even when it passes
+        (v,) = run_all.toggle_verdicts([drift, _gsm8k_row(status, role="smoke"), needle_ok, bench])
+        assert v["verdict"] == "skipped" and v["speedup"] is None
+        assert "gsm8k ran only as a smoke test, which counts toward no verdict" in v["reason"]
+    (v,) = run_all.toggle_verdicts([drift, _gsm8k_row("fail", "fail: the candidate is worse", role="smoke"), needle_ok])
+    assert v["verdict"] == "rejected" and "gsm8k/strict-match failed" in v["reason"], "a smoke failure still rejects"
+
+
+@pytest.mark.parametrize("smoke, code", [pytest.param(False, 1, id="gate-inconclusive-exits-1"),
+                                         pytest.param(True, 0, id="smoke-exits-0", marks=pytest.mark.slow)])
+def test_all_with_a_gsm8k_gate_that_cannot_decide(tmp_path, capsys, smoke, code):
+    args = '"--num-fewshot", "0", "--max-new-tokens", "4"' + (', "--smoke"' if smoke else "")
+    body = ('version = 1\ndescription = "undecided"\n'
+            '[[check]]\nkind = "drift"\ntoggles = ["kda_chunked"]\nscenarios = ["single"]\nscale = 0.25\n'
+            f'[[check]]\nkind = "gsm8k"\ntoggles = ["kda_chunked"]\nlimit = 2\nargs = [{args}]\n')
+    (tmp_path / "u.toml").write_text(body)
+    run_dir = tmp_path / "run"
+    assert cli.main(["all", "--suite", str(tmp_path / "u.toml"), "--report-dir", str(run_dir)]) == code
+    report = load_report(run_dir)
+    assert report["summary"]["inconclusive"] == 2
+    assert report["summary"]["verdict"] == ("pass" if smoke else "inconclusive")
+    (v,) = report["verdicts"]
+    assert v["verdict"] == "skipped" and v["speedup"] is None
+    assert ("gsm8k ran only as a smoke test" if smoke else f"gsm8k inconclusive ({N2})") in v["reason"]
+    skipped = ET.parse(run_dir / "junit.xml").getroot().findall(".//testcase/skipped")
+    assert len(skipped) == 2 and all("n=2 cannot resolve a margin of 1 point" in s.get("message") for s in skipped)
+
+
+def test_a_check_with_an_inconclusive_result_is_inconclusive():
+    plan = {"suite": {"checks": [{"index": 1, "name": "gsm8k-synth", "kind": "gsm8k"}]}}
+    rows = [{**_gsm8k_row("inconclusive"), "suite_check": "gsm8k-synth"},
+            {**_gsm8k_row("pass", "pass: non-inferior"), "suite_check": "gsm8k-synth"}]
+    (c,) = run_all.check_statuses(plan, rows)
+    assert c["status"] == "inconclusive" and c["counts"]["inconclusive"] == 1 and c["reason"].startswith(N2)
+
+
 def test_signoff_signed_on_a_passing_all_report(tiny_run, tmp_path, capsys):
     _, run_dir = tiny_run
     out = tmp_path / "signoff.md"
@@ -205,4 +260,4 @@ def test_quality_gate_of_a_cuda_toggle_on_cpu_is_a_skip_with_the_reason(tmp_path
     rows = {r["toggle"]: r for r in load_report(run_dir)["results"] if r["check"] == "needle" or r.get("gate")}
     assert rows["kda_fla_chunk"]["status"] == "skip"
     assert "runs on cuda, not cpu" in rows["kda_fla_chunk"]["reason"]
-    assert rows["mla_sdpa"]["status"] in ("pass", "fail")       # negative control: it really ran
+    assert rows["mla_sdpa"]["status"] in ("pass", "fail", "inconclusive")   # negative control: it really ran

@@ -23,8 +23,9 @@ from k3verify.errors import UsageError
 NAME = "all"
 HELP = "run a check suite (premerge, release or FILE): every toggle, gate and control; one report, a verdict per toggle"
 REPO = Path(__file__).resolve().parents[2]
-COLOURS = {"pass": "green", "fail": "red", "skip": "yellow", "error": "magenta",
+COLOURS = {"pass": "green", "fail": "red", "skip": "yellow", "error": "magenta", "inconclusive": "yellow",
            "counted": "green", "rejected": "red", "skipped": "yellow"}
+STATUSES = ("pass", "fail", "skip", "error", "inconclusive")  # report/schema.py STATUSES
 
 
 def add_arguments(parser) -> None:
@@ -60,10 +61,10 @@ class Display:
 
     def _render(self):
         table = Table(title="so far", show_lines=False)
-        for col in ("toggle", "pass", "fail", "skip", "error"):
+        for col in ("toggle", *STATUSES):
             table.add_column(col)
         for toggle, n in self.counts.items():
-            table.add_row(toggle, *(f"[{COLOURS[s]}]{n[s]}[/]" if n[s] else "0" for s in ("pass", "fail", "skip", "error")))
+            table.add_row(toggle, *(f"[{COLOURS[s]}]{n[s]}[/]" if n[s] else "0" for s in STATUSES))
         return Group(self.progress, table)
 
     def start(self, unit: dict) -> None:
@@ -78,7 +79,7 @@ class Display:
 
     def done(self, unit: dict, rows: list[dict]) -> None:
         for r in rows:
-            n = self.counts.setdefault(r["toggle"], {"pass": 0, "fail": 0, "skip": 0, "error": 0})
+            n = self.counts.setdefault(r["toggle"], dict.fromkeys(STATUSES, 0))
             n[r["status"]] += 1
         self.progress.advance(self.task)
         if self.live:
@@ -138,8 +139,9 @@ def run(args) -> int:
     con.print(verdict_table(report))
     s, nc = report["summary"], report["negative_controls"]
     counted = sum(v["verdict"] == "counted" for v in report["verdicts"])
+    undecided = f", {s['inconclusive']} inconclusive" if s.get("inconclusive") else ""
     con.print(f"verdict: {s['verdict']}  ({s['passed']} pass, {s['failed']} fail, {s['skipped']} skip, "
-              f"{s['errors']} error; toggles counted {counted}/{len(report['verdicts'])}; "
+              f"{s['errors']} error{undecided}; toggles counted {counted}/{len(report['verdicts'])}; "
               f"mutants caught {nc['caught']}/{nc['total']}; {ran} of {len(plan['units'])} units run now)")
     con.print(f"report: {paths['md']}  junit: {paths['junit']}  resume with: --resume {plan['run_id']}")
     if args.json:

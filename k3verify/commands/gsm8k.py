@@ -3,9 +3,13 @@
 Without --toggle it measures the reference path (or --base-url through lm-eval's
 local-completions model). With --toggle T the same questions and prompts (same
 few-shot seed) are answered again with T applied, joined per question (doc_id and
-lm-eval's prompt hash) and judged by the paired non-inferiority test at --margin;
-the verdict is that test, never a raw score compare. Writes DIR/report.json (per
-filter accuracy, per-question outcomes, the paired result), .md, .html, junit.xml.
+lm-eval's prompt hash) and judged by the paired test at --margin (k3verify.stats):
+pass, fail, or inconclusive when n cannot resolve the margin; never a raw score
+compare. Exit 0 pass, 1 fail or inconclusive (a gate that could not decide lets
+nothing through; the last line says what n would), 2 bad input. --smoke marks the
+results as a smoke test: an inconclusive smoke exits 0 and counts toward no toggle
+verdict; a failing one still exits 1. Writes DIR/report.json (per filter accuracy,
+per-question outcomes, the paired result with its MDE), .md, .html, junit.xml.
 """
 from __future__ import annotations
 
@@ -45,6 +49,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--beta", type=float, default=0.2, help="1 - power for the stated MDE (default 0.2)")
     parser.add_argument("--min-accuracy", type=float, default=None, metavar="A",
                         help="without --toggle: fail a filter whose accuracy is below A (fraction)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="a smoke test: the pipeline runs end to end; its pass or inconclusive counts toward "
+                             "no verdict (a fail still fails)")
     parser.add_argument("--report-dir", type=Path, help="where to write the report (default reports/<run-id>)")
     add_model_flag(parser)
     add_json_flag(parser)
@@ -125,7 +132,7 @@ def _validate(args) -> None:
 
 def summary_table(run) -> Table:
     table = Table(title=f"gsm8k {run.results[0]['scenario']}")
-    for col in ("toggle", "filter", "reference", "candidate", "b", "c", "McNemar p", "bound", "status"):
+    for col in ("toggle", "filter", "reference", "candidate", "b", "c", "McNemar p", "bound", "MDE", "status"):
         table.add_column(col)
     for r in run.results:
         acc = r["accuracy"]
@@ -134,9 +141,21 @@ def summary_table(run) -> Table:
                      f"{acc['mcnemar_p']:.3g}", f"{acc['lower_bound']:+.4f}"]
         else:
             cells = [f"{acc[0]['value']:.4f}", "-", "-", "-", "-", "-"]
-        colour = "green" if r["status"] == "pass" else "red"
-        table.add_row(r["toggle"], r["filter"], *cells, f"[{colour}]{r['status']}[/]")
+        colour = {"pass": "green", "inconclusive": "yellow"}.get(r["status"], "red")
+        status = r["status"] + (" (smoke)" if r.get("role") == "smoke" else "")
+        table.add_row(r["toggle"], r["filter"], *cells, f"{100 * r['mde']:.2f} pts", f"[{colour}]{status}[/]")
     return table
+
+
+def verdict_line(verdict: str, results: list[dict]) -> str:
+    """'verdict: inconclusive: n=2 cannot resolve ...': the run's verdict and, unless a pass, why."""
+    why = [r["accuracy"]["verdict_reason"] for r in results
+           if isinstance(r["accuracy"], dict) and r["status"] in ("fail", "inconclusive")]
+    # "inconclusive: n=2 ..." under "verdict: inconclusive" would say the word twice
+    why = [w[len(verdict) + 2:] if w.startswith(verdict + ": ") else w for w in why]
+    smoke = any(r.get("role") == "smoke" for r in results)
+    text = f"verdict: {verdict}" + (" (smoke test)" if smoke else "")
+    return text + (f": {'; '.join(dict.fromkeys(why))}" if why else "")
 
 
 def run(args) -> int:
@@ -159,7 +178,8 @@ def run(args) -> int:
     cand_fn = quality.toggled(ref_fn, [args.toggle]) if args.toggle else None
     gate = quality.gsm8k_gate(
         ref_fn, cand_fn, toggle=args.toggle, margin=args.margin, alpha=args.alpha, beta=args.beta,
-        min_accuracy=args.min_accuracy, progress=lambda msg: print(f"  running {msg}", file=sys.stderr),
+        min_accuracy=args.min_accuracy, smoke=args.smoke,
+        progress=lambda msg: print(f"  running {msg}", file=sys.stderr),
         dataset=args.dataset, data_dir=args.data_dir, limit=args.limit, num_fewshot=args.num_fewshot,
         seed=args.fewshot_seed, max_new_tokens=args.max_new_tokens)
     if args.base_url is not None:  # the report must say which server answered, not only the command line
@@ -178,8 +198,10 @@ def run(args) -> int:
         if isinstance(r["accuracy"], dict):
             con.print(f"{r['filter']}: {r['reason']}")
     verdict = report["summary"]["verdict"]
-    con.print(f"verdict: {verdict}  report: {paths['md']}")
+    con.print(f"report: {paths['md']}")
+    con.print(verdict_line(verdict, gate.results), soft_wrap=True)
     if args.json:
-        emit_json({"run_id": run_id, "verdict": verdict, "report": str(paths["json"]),
+        emit_json({"run_id": run_id, "verdict": verdict, "verdict_line": verdict_line(verdict, gate.results),
+                   "report": str(paths["json"]),
                    "accuracy": gate.details["accuracy"], "paired": gate.details["paired"]})
     return 0 if verdict == "pass" else 1

@@ -15,7 +15,7 @@ from html import escape
 from typing import Any, Mapping, Optional, Sequence
 
 from .render_md import (finding_failed, finding_message, format_mapping, format_speedup, interval, key_numbers,
-                        num, result_title)
+                        num, result_title, status_text, summary_counts)
 
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2rem;color:#1d2330;max-width:1200px}
@@ -25,8 +25,10 @@ table{border-collapse:collapse;font-size:.85rem;margin:.5rem 0}
 th,td{border:1px solid #d0d5dd;padding:.25rem .5rem;text-align:left;vertical-align:top}
 th{background:#f2f4f7} td.num{text-align:right;font-variant-numeric:tabular-nums}
 .pass{color:#067647;font-weight:600} .fail,.error{color:#b42318;font-weight:700} .skip{color:#93370d}
+.inconclusive{color:#b54708;font-weight:700;font-style:italic}
 .verdict{display:inline-block;padding:.2rem .8rem;border-radius:.3rem;color:#fff;font-weight:700}
 .verdict.pass{background:#067647;color:#fff} .verdict.fail{background:#b42318;color:#fff}
+.verdict.inconclusive{background:#b54708;color:#fff;font-style:normal}
 pre{background:#f8f9fb;border:1px solid #e4e7ec;padding:.6rem;overflow-x:auto;font-size:.8rem}
 .result{border:1px solid #e4e7ec;border-radius:.4rem;padding:.3rem 1rem 1rem;margin:1rem 0}
 .plots{display:flex;flex-wrap:wrap;gap:1rem} svg{background:#fff;border:1px solid #e4e7ec}
@@ -197,7 +199,10 @@ def accuracy_panels(accuracy: Any, name: str = "") -> list[Panel]:
         panels = [(f"{prefix}accuracy, n={n}, Wilson {1 - 2 * alpha:.0%} interval", rows, None)] if rows else []
         d, bound, margin = num(accuracy.get("d")), num(accuracy.get("lower_bound")), num(accuracy.get("margin"))
         if d is not None:
-            hi = None if bound is None else d + (d - bound)
+            # Tango's score interval is not symmetric about d; older reports have no upper_bound.
+            hi = num(accuracy.get("upper_bound"))
+            if hi is None and bound is not None:
+                hi = d + (d - bound)
             ref = None if margin is None else (f"-margin {margin:g}", -margin)
             panels.append((f"{prefix}paired difference (cand - ref), one-sided bound", [("cand - ref", d, bound, hi)],
                            ref))
@@ -241,9 +246,9 @@ def _per_step_plots(per_step: Any) -> list[str]:
     return plots
 
 
-def _status(value: Any) -> str:
-    s = str(value)
-    return f'<span class="{escape(s)}">{escape(s.upper() if s in ("fail", "error") else s)}</span>'
+def _status(r: Mapping[str, Any]) -> str:
+    s, shown = str(r.get("status")), status_text(r)
+    return f'<span class="{escape(s)}">{escape(shown.upper() if s in ("fail", "error") else shown)}</span>'
 
 
 def _summary_table(results: list[Mapping[str, Any]]) -> str:
@@ -256,7 +261,7 @@ def _summary_table(results: list[Mapping[str, Any]]) -> str:
         caught = {True: "yes", False: "NO"}.get(r.get("caught"), "")
         cells = [f'<a href="#r{i}">{escape(str(r.get("toggle", "")))}</a>', escape(str(r.get("kind", ""))),
                  escape(str(r.get("contract", ""))), escape(str(r.get("check", ""))),
-                 escape(str(r.get("scenario") or "-")), _status(r.get("status"))]
+                 escape(str(r.get("scenario") or "-")), _status(r)]
         nums = [k["mismatched"], k["max_ulp"], k["max_abs"], k["kl"], k["flips"], caught,
                 format_speedup(r.get("speedup")), "" if duration is None else f"{duration:.2f}"]
         out.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells)
@@ -267,7 +272,7 @@ def _summary_table(results: list[Mapping[str, Any]]) -> str:
 
 def _result_section(i: int, r: Mapping[str, Any]) -> str:
     findings = [f for f in r.get("findings", []) if isinstance(f, Mapping)]
-    out = [f'<div class="result" id="r{i}"><h3>{_status(r.get("status"))} {escape(result_title(r))}</h3>',
+    out = [f'<div class="result" id="r{i}"><h3>{_status(r)} {escape(result_title(r))}</h3>',
            f'<p class="muted">contract {escape(str(r.get("contract", "")))} - '
            f'kind {escape(str(r.get("kind", "")))}</p>']
     if r.get("reason"):
@@ -289,7 +294,7 @@ def _result_section(i: int, r: Mapping[str, Any]) -> str:
 
 
 def _worth_a_section(r: Mapping[str, Any]) -> bool:
-    if r.get("status") in ("fail", "error") or r.get("per_step") or r.get("accuracy"):
+    if r.get("status") in ("fail", "error", "inconclusive") or r.get("per_step") or r.get("accuracy"):
         return True
     return any(isinstance(f, Mapping) and f.get("n_bit_different") for f in r.get("findings", []))
 
@@ -312,13 +317,13 @@ def render_html(report: Mapping[str, Any]) -> str:
     run_id = escape(str(report.get("run_id", "?")))
     details = [_result_section(i, r) for i, r in enumerate(results) if _worth_a_section(r)]
     skips = [r for r in results if r.get("status") == "skip"]
+    undecided = [r for r in results if r.get("status") == "inconclusive"]
     parts = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
         f"<title>k3verify report {run_id}</title>", f"<style>{_CSS}</style></head><body>",
         f"<h1>k3verify report <code>{run_id}</code></h1>",
         f'<p><span class="verdict {escape(verdict)}">{escape(verdict.upper())}</span> '
-        f"{summary.get('passed', 0)} passed, {summary.get('failed', 0)} failed, {summary.get('skipped', 0)} skipped, "
-        f"{summary.get('errors', 0)} errors</p>",
+        f"{escape(summary_counts(summary))}</p>",
         f"<p class=\"muted\">created {escape(str(report.get('created', '?')))} - "
         f"<code>{escape(str(report.get('command', '')))}</code> - "
         f"schema {escape(str(report.get('schema_version')))}</p>",
@@ -326,6 +331,9 @@ def render_html(report: Mapping[str, Any]) -> str:
     ]
     if details:
         parts += ["<h2>Evidence</h2>", *details]
+    if undecided:
+        parts.append("<h2>Inconclusive (not a pass)</h2><ul>" + "".join(
+            f"<li>{escape(result_title(r))}: {escape(str(r.get('reason', '')))}</li>" for r in undecided) + "</ul>")
     if skips:
         parts.append("<h2>Skipped</h2><ul>" + "".join(
             f"<li>{escape(result_title(r))}: {escape(str(r.get('reason', '')))}</li>" for r in skips) + "</ul>")

@@ -1,7 +1,8 @@
 """junit.xml for CI: one <testsuite> per toggle, one <testcase> per result.
 
 fail -> <failure message=reason>, error -> <error message=reason>, skip ->
-<skipped message=reason>; the body of a failure carries the comparator's finding
+<skipped message=reason>, inconclusive -> <skipped message="inconclusive: reason"> (a gate
+that could not decide is never reported as a passing test); the body of a failure carries the comparator's finding
 text and the first divergence. Built with ElementTree so attributes and text are
 escaped; characters XML 1.0 cannot hold at all (most C0 controls) are replaced.
 """
@@ -56,7 +57,7 @@ def render_junit(report: Mapping[str, Any]) -> str:
         counts = {"tests": len(rows),
                   "failures": sum(r.get("status") == "fail" for r in rows),
                   "errors": sum(r.get("status") == "error" for r in rows),
-                  "skipped": sum(r.get("status") == "skip" for r in rows),
+                  "skipped": sum(r.get("status") in ("skip", "inconclusive") for r in rows),
                   "time": sum(_seconds(r.get("duration_s")) for r in rows)}
         for key, value in counts.items():
             totals[key] += value
@@ -77,7 +78,12 @@ def render_junit(report: Mapping[str, Any]) -> str:
                 ET.SubElement(case, "error", message=reason, type="Error").text = _clean(_failure_body(r))
             elif status == "skip":
                 ET.SubElement(case, "skipped", message=reason)
+            elif status == "inconclusive":
+                shown = reason if "inconclusive" in reason else f"inconclusive: {reason}"
+                ET.SubElement(case, "skipped", message=shown, type="Inconclusive")
             extra = []
+            if r.get("role") == "smoke":
+                extra.append("role: smoke (counts toward no verdict; a failure still fails)")
             if r.get("caught") is not None:
                 extra.append(f"caught: {r['caught']}")
             if r.get("speedup"):

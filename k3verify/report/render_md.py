@@ -130,6 +130,18 @@ def format_mapping(d: Mapping[str, Any] | None) -> str:
     return ", ".join(f"{k}={v}" for k, v in d.items() if v is not None)
 
 
+def summary_counts(summary: Mapping[str, Any]) -> str:
+    """'3 passed, 0 failed, 1 skipped, 0 errors, 2 inconclusive' (the last only when there are any)."""
+    text = (f"{summary.get('passed', 0)} passed, {summary.get('failed', 0)} failed, "
+            f"{summary.get('skipped', 0)} skipped, {summary.get('errors', 0)} errors")
+    return text + (f", {summary['inconclusive']} inconclusive" if summary.get("inconclusive") else "")
+
+
+def status_text(r: Mapping[str, Any]) -> str:
+    """The status as the views show it: a smoke test says so beside its status."""
+    return str(r.get("status", "?")) + (" (smoke)" if r.get("role") == "smoke" else "")
+
+
 def result_title(r: Mapping[str, Any]) -> str:
     scenario = r.get("scenario")
     return f"{r.get('toggle', '?')} / {r.get('check', '?')}" + (f" / {scenario}" if scenario else "")
@@ -158,8 +170,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     lines = [
         f"# k3verify report `{report.get('run_id', '?')}`",
         "",
-        f"**Verdict: {verdict}** - {summary.get('passed', 0)} passed, {summary.get('failed', 0)} failed, "
-        f"{summary.get('skipped', 0)} skipped, {summary.get('errors', 0)} errors",
+        f"**Verdict: {verdict}** - {summary_counts(summary)}",
         "",
         f"- created: {report.get('created', '?')}",
         f"- command: `{report.get('command', '')}`",
@@ -173,8 +184,11 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     ]
     for r in results:
         k = key_numbers(r.get("findings", []))
-        status = str(r.get("status", "?"))
-        shown = f"**{status.upper()}**" if status in ("fail", "error") else status
+        shown = status_text(r)
+        if r.get("status") in ("fail", "error"):
+            shown = f"**{shown.upper()}**"
+        elif r.get("status") == "inconclusive":
+            shown = f"*{shown}*"
         duration = num(r.get("duration_s"))
         cells = [r.get("toggle"), r.get("kind"), r.get("contract"), r.get("check"), r.get("scenario") or "-", shown,
                  k["mismatched"], k["max_ulp"], k["max_abs"], k["kl"], k["flips"], _caught(r.get("caught")),
@@ -194,6 +208,11 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         for f in r.get("findings", []):
             if isinstance(f, Mapping) and finding_failed(f):
                 lines += ["", _fence(finding_message(f))]
+
+    undecided = [r for r in results if r.get("status") == "inconclusive"]
+    if undecided:
+        lines += ["", "## Inconclusive (not a pass)", ""]
+        lines += [f"- {result_title(r)}: {_cell(r.get('reason', ''))}" for r in undecided]
 
     skips = [r for r in results if r.get("status") == "skip"]
     if skips:

@@ -8,8 +8,17 @@ allowed (a result may carry "per_step", "accuracy", "contract_detail" ...), so
 the gate can add evidence without a schema bump; removing or retyping a key
 needs SCHEMA_VERSION + 1.
 
-Verdict rule: "pass" exactly when no result failed and none errored. Skips do not
-fail a run, but they are counted and each states its reason.
+Verdict rule: "fail" when a result failed or errored; else "inconclusive" when a
+result is inconclusive (a gate that ran but could not decide, e.g. too few questions
+for its margin) and counts; else "pass". Skips do not fail a run, but they are counted
+and each states its reason; so does every inconclusive result.
+
+A result may carry "role": "smoke" (ROLES): a smoke test whose pass or inconclusive
+counts toward no verdict (its inconclusive leaves the run's verdict alone); its fail
+or error still fails the run, since a smoke test that breaks is broken.
+
+Version-1 reports written before "inconclusive" existed have no summary.inconclusive;
+the validator reads a missing count as 0.
 """
 
 from __future__ import annotations
@@ -20,8 +29,9 @@ from typing import Any, Iterable, Mapping
 SCHEMA_VERSION = 1
 
 KINDS = ("optimization", "mutant")
-STATUSES = ("pass", "fail", "skip", "error")
-VERDICTS = ("pass", "fail")
+STATUSES = ("pass", "fail", "skip", "error", "inconclusive")
+VERDICTS = ("pass", "fail", "inconclusive")
+ROLES = ("gate", "smoke")
 
 _NUMBER = (int, float)
 
@@ -58,7 +68,9 @@ _SUMMARY_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
     "verdict": ((str,), False),
 }
 # summary key -> the status it counts
-SUMMARY_COUNTS = {"passed": "pass", "failed": "fail", "skipped": "skip", "errors": "error"}
+SUMMARY_COUNTS = {"passed": "pass", "failed": "fail", "skipped": "skip", "errors": "error",
+                  "inconclusive": "inconclusive"}
+_OPTIONAL_COUNTS = ("inconclusive",)  # absent from reports written before the status existed
 
 
 def _type_name(types: tuple[type, ...]) -> str:
@@ -88,9 +100,11 @@ def _check_choice(value: str, allowed: Iterable[str], where: str) -> None:
 
 def summarize(results: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     """The summary block that matches `results` (what validate_report expects)."""
+    results = list(results)
     statuses = [r.get("status") for r in results]
     out: dict[str, Any] = {key: statuses.count(status) for key, status in SUMMARY_COUNTS.items()}
-    out["verdict"] = "pass" if out["failed"] == 0 and out["errors"] == 0 else "fail"
+    undecided = any(r.get("status") == "inconclusive" and r.get("role") != "smoke" for r in results)
+    out["verdict"] = "fail" if out["failed"] or out["errors"] else ("inconclusive" if undecided else "pass")
     return out
 
 
@@ -102,8 +116,11 @@ def validate_result(result: Any, where: str = "result") -> None:
     _check_choice(result["status"], STATUSES, f"{where}.status")
     if result["duration_s"] < 0:
         raise ValueError(f"{where}.duration_s: expected >= 0, got {result['duration_s']}")
-    if result["status"] in ("fail", "skip", "error") and not result["reason"].strip():
-        raise ValueError(f"{where}.reason: a {result['status']} must state its reason, got an empty string")
+    if result.get("role") is not None:
+        _check_choice(result["role"], ROLES, f"{where}.role")
+    if result["status"] in ("fail", "skip", "error", "inconclusive") and not result["reason"].strip():
+        article = "an" if result["status"][0] in "aeiou" else "a"
+        raise ValueError(f"{where}.reason: {article} {result['status']} must state its reason, got an empty string")
     for j, finding in enumerate(result["findings"]):
         if not isinstance(finding, dict):
             raise ValueError(f"{where}.findings[{j}]: expected object, got {type(finding).__name__}")
@@ -128,6 +145,10 @@ def validate_report(obj: Any) -> None:
     _check_fields(summary, _SUMMARY_FIELDS, "report.summary")
     _check_choice(summary["verdict"], VERDICTS, "report.summary.verdict")
     expected = summarize(obj["results"])
+    for key in _OPTIONAL_COUNTS:
+        if key in summary and (not isinstance(summary[key], int) or isinstance(summary[key], bool)):
+            raise ValueError(f"report.summary.{key}: expected integer, got {type(summary[key]).__name__}")
     for key in (*SUMMARY_COUNTS, "verdict"):
-        if summary[key] != expected[key]:
-            raise ValueError(f"report.summary.{key}: results give {expected[key]!r}, summary says {summary[key]!r}")
+        got = summary.get(key, 0) if key in _OPTIONAL_COUNTS else summary[key]
+        if got != expected[key]:
+            raise ValueError(f"report.summary.{key}: results give {expected[key]!r}, summary says {got!r}")
