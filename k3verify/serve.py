@@ -8,6 +8,13 @@ server keeps serving. `enforce_contract=False` turns the K3-specific rules off
 (sampling values clamped, tools and formats not judged, no constraints) and
 exists only as the negative control for the checks in k3verify/evals/kvv.py.
 
+Robustness (issue 16): one worker thread owns the backend and takes requests from a bounded
+queue (serve_worker.py); past --max-queue a request gets 429 with Retry-After, never a hang.
+A request whose client disconnects is cancelled within one forward, streamed or not. Bodies
+past --max-body-bytes get 413; nesting past 64 levels, unknown parameters, prompts past
+--max-prompt-tokens and prompt + max_tokens past --max-model-len get 400. GET /health is
+readiness (200 only if the worker is alive and not wedged), apart from /v1/models.
+
 Structured output is real, not simulated: response_format json_object/json_schema
 and tool_choice required/named run a token constraint (backends/base.py), so the
 model's own logits choose among grammar-legal tokens. Schema coverage: type,
@@ -18,156 +25,79 @@ format are not enforced.
 
 from __future__ import annotations
 
-import json
-import threading
 import time
 import uuid
-from typing import Iterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
 
 from k3verify.backends.base import (MAX_TOP_LOGPROBS, BanConstraint, ProgramConstraint, SamplingParams,
                                     TextBackend, json_object_program, tool_call_program)
-from k3verify.serve_validation import (RequestError, _fail, check_messages, check_response_format, check_sampling,
-                                       check_stop, check_stream, check_tool_choice, check_tools)
+from k3verify.serve_generation import Generation, chat_logprobs, completion_logprobs
+from k3verify.serve_http import (ClientGone, JobStream, collect, error_body, error_response, gone_response,
+                                 read_body, sse, submit)
+from k3verify.serve_validation import (CHAT_PARAMS, COMPLETION_PARAMS, RequestError, ServeLimits, _fail,
+                                       check_context, check_known_params, check_messages, check_response_format,
+                                       check_sampling, check_stop, check_stream, check_tool_choice, check_tools,
+                                       parse_json_object)
+from k3verify.serve_worker import GenerationWorker, JobCancelled
 from optimized_stack.errors import K3Error
-
-
-# ---------------------------------------------------------------------------
-# Generation: one code path for streamed and whole answers
-# ---------------------------------------------------------------------------
-
-class Generation:
-    """Runs one request on the backend; `deltas()` yields (text, events) pieces, then the
-    attributes finish_reason, tool_calls, completion_tokens are final."""
-
-    def __init__(self, backend: TextBackend, tokenizer, prompt_ids: list[int], params: SamplingParams,
-                 constraint=None, stops: list[str] = (), chat: bool = False):
-        self.backend, self.tokenizer = backend, tokenizer
-        self.prompt_ids, self.params, self.constraint = prompt_ids, params, constraint
-        self.stops, self.chat = list(stops), chat
-        self.ids: list[int] = []
-        self.finish_reason = "stop"
-        self.tool_calls: list[dict] = []
-
-    @property
-    def completion_tokens(self) -> int:
-        return len(self.ids)
-
-    def deltas(self) -> Iterator[tuple[str, list]]:
-        section_begin = self.tokenizer.token_id("<|tool_calls_section_begin|>")
-        decoder = self.tokenizer.incremental_decoder(skip_special=True)
-        hold = max((len(s) for s in self.stops), default=1) - 1  # chars a stop string could still need
-        pending, events, in_tools, stopped, cut_here = "", [], False, False, False
-        stream = self.backend.generate(self.prompt_ids, self.params, self.constraint)
-        try:
-            for ev in stream:
-                self.ids.append(ev.token_id)
-                if ev.token_id in self.params.stop_token_ids:
-                    stopped = True
-                    break
-                if self.chat and ev.token_id == section_begin:
-                    in_tools = True
-                if in_tools:
-                    continue  # the tool-call section is returned as tool_calls, never as content
-                pending += decoder.feed(ev.token_id)
-                events.append(ev)
-                cut = min((i for i in (pending.find(s) for s in self.stops) if i >= 0), default=-1)
-                if cut >= 0:
-                    pending, stopped, cut_here = pending[:cut], True, True
-                    break
-                if len(pending) > hold:
-                    yield pending[: len(pending) - hold], events
-                    pending, events = pending[len(pending) - hold:], []
-        finally:
-            stream.close()  # releases the backend's lock at once, also on early stop or disconnect
-        if not cut_here:
-            pending += decoder.flush()  # a dangling partial UTF-8 sequence shows as U+FFFD
-        if pending or events:
-            yield pending, events
-        done = stopped or (self.constraint is not None and getattr(self.constraint, "done", False))
-        self.finish_reason = "stop" if done or len(self.ids) < self.params.max_tokens else "length"
-        if in_tools:
-            _, calls = self.tokenizer.parse_tool_calls(self.ids, strict=False)
-            self.tool_calls = [{"id": c["id"], "type": "function",
-                                "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
-            if self.tool_calls:
-                self.finish_reason = "tool_calls"
-
-    def usage(self) -> dict:
-        return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": self.completion_tokens,
-                "total_tokens": len(self.prompt_ids) + self.completion_tokens}
-
-
-def _token_text(tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id])
-
-
-def chat_logprobs(tokenizer, events) -> list[dict]:
-    def entry(tid, lp):
-        text = _token_text(tokenizer, tid)
-        return {"token": text, "logprob": lp, "bytes": list(tokenizer.decode_bytes([tid]))}
-    return [{**entry(e.token_id, e.logprob), "top_logprobs": [entry(t, lp) for t, lp in e.top_logprobs]}
-            for e in events]
-
-
-def completion_logprobs(tokenizer, events, offset: int) -> dict:
-    tokens, offsets = [], []
-    for e in events:
-        tokens.append(_token_text(tokenizer, e.token_id))
-        offsets.append(offset)
-        offset += len(tokens[-1])
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in events],
-            "top_logprobs": [{_token_text(tokenizer, t): lp for t, lp in e.top_logprobs} for e in events],
-            "text_offset": offsets}
 
 
 # ---------------------------------------------------------------------------
 # The app
 # ---------------------------------------------------------------------------
 
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-def create_app(backend: TextBackend, tokenizer, model_name: str = "k3-mini", enforce_contract: bool = True):
-    """FastAPI app over `backend`. enforce_contract=False is the KVV negative control only."""
+def create_app(backend: TextBackend, tokenizer, model_name: str = "k3-mini", enforce_contract: bool = True,
+               limits: ServeLimits = ServeLimits()):
+    """FastAPI app over `backend`, which from now on only app.state.worker calls.
+    enforce_contract=False is the KVV negative control only."""
     app = FastAPI(title="k3verify serve")
+    worker = app.state.worker = GenerationWorker(limits.max_queue, limits.stall_s)
+    app.state.model_name = model_name
     unit_ids = {chr(b): tokenizer.encode(chr(b))[0] for b in range(32, 127)}
     unit_ids.update({s: tokenizer.token_id(s) for s in tokenizer.specials})
     vocab_size = tokenizer.vocab_size
     chat_stops = (tokenizer.im_end_id, tokenizer.eos_id)
     created = int(time.time())
 
-    async def read_body(request: Request) -> dict:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            _fail("the request body must be a JSON object, got something that is not JSON")
-        if not isinstance(body, dict):
-            _fail(f"the request body must be a JSON object, got {type(body).__name__}")
+    async def read_json(request: Request, allowed: frozenset | None = None) -> dict:
+        body = parse_json_object(await read_body(request, limits.max_body_bytes), limits.max_json_depth)
         model = body.get("model")
         if model is not None and model != model_name:
             raise RequestError(f"model {model!r} is not served here; this server serves {model_name!r}", "model", 404)
+        if allowed is not None:
+            check_known_params(body, allowed, request.url.path)
         return body
 
     @app.exception_handler(RequestError)
     async def _request_error(request, exc: RequestError):
-        kind = "invalid_request_error" if exc.status == 400 else "not_found_error"
-        return JSONResponse(status_code=exc.status,
-                            content={"error": {"message": str(exc), "type": kind, "param": exc.param, "code": None}})
+        return error_response(exc)
 
     @app.exception_handler(K3Error)
     async def _k3_error(request, exc: K3Error):
-        return JSONResponse(status_code=400, content={"error": {"message": str(exc), "type": "invalid_request_error",
-                                                                "param": None, "code": None}})
+        return JSONResponse(status_code=400, content=error_body(str(exc), 400))
+
+    @app.exception_handler(JobCancelled)
+    async def _cancelled(request, exc: JobCancelled):  # a whole answer cut short by shutdown
+        return error_response(RequestError(f"generation cancelled: {exc}", None, 503, "cancelled",
+                                           {"Retry-After": "5"}))
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request, exc: ClientGone):  # nobody reads this; it keeps the access log honest
+        return gone_response()
 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "k3verify"}]}
+
+    @app.get("/health")
+    async def health():
+        probe = Generation(backend, tokenizer, tokenizer.encode("ok"), SamplingParams(max_tokens=1))
+        ok, detail = await worker.ready(probe, limits.probe_timeout_s)
+        return JSONResponse(status_code=200 if ok else 503, content={"status": "ok" if ok else "unavailable",
+                                                                     **detail})
 
     def chat_prompt(body: dict) -> tuple[list[int], list[dict]]:
         if not enforce_contract:  # negative control: drop whatever tools arrive instead of judging them
@@ -186,18 +116,18 @@ def create_app(backend: TextBackend, tokenizer, model_name: str = "k3-mini", enf
     @app.post("/tokenize")
     @app.post("/v1/tokenize")  # alias, so clients holding the /v1 base URL find it too
     async def tokenize(request: Request):
-        body = await read_body(request)
+        body = await read_json(request)
         if "messages" in body:
             ids, _ = chat_prompt(body)
         elif isinstance(body.get("prompt"), str):
             ids = tokenizer.encode(body["prompt"])
         else:
             _fail("tokenize needs 'prompt' (a string) or 'messages'", "prompt")
-        return {"count": len(ids), "tokens": ids, "max_model_len": None}
+        return {"count": len(ids), "tokens": ids, "max_model_len": limits.max_model_len}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        body = await read_body(request)
+        body = await read_json(request, CHAT_PARAMS)
         prompt_ids, tools = chat_prompt(body)
         stream, include_usage = check_stream(body)
         stops = check_stop(body)
@@ -210,6 +140,7 @@ def create_app(backend: TextBackend, tokenizer, model_name: str = "k3-mini", enf
             _fail(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] with logprobs true, got {top!r}",
                   "top_logprobs")
         params = check_sampling(body, enforce_contract, (top or 0) if want_logprobs else None, chat_stops)
+        check_context(len(prompt_ids), params.max_tokens, limits, "messages")
         constraint = None
         if enforce_contract:
             forced = check_tool_choice(body.get("tool_choice"), tools)
@@ -224,14 +155,13 @@ def create_app(backend: TextBackend, tokenizer, model_name: str = "k3-mini", enf
             elif forced == "none" or not tools:
                 constraint = BanConstraint(vocab_size, {tokenizer.token_id("<|tool_calls_section_begin|>")})
         gen = Generation(backend, tokenizer, prompt_ids, params, constraint, stops, chat=True)
+        job = submit(worker, gen)
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "created": now, "model": model_name}
 
         if not stream:
-            def run():
-                pieces = list(gen.deltas())
-                return "".join(t for t, _ in pieces), [e for _, evs in pieces for e in evs]
-            text, events = await run_in_threadpool(run)
+            pieces = await collect(worker, job, request)
+            text, events = "".join(t for t, _ in pieces), [e for _, evs in pieces for e in evs]
             message = {"role": "assistant", "content": text if text or not gen.tool_calls else None}
             if gen.tool_calls:
                 message["tool_calls"] = gen.tool_calls
@@ -239,26 +169,31 @@ def create_app(backend: TextBackend, tokenizer, model_name: str = "k3-mini", enf
                        "logprobs": {"content": chat_logprobs(tokenizer, events)} if want_logprobs else None}
             return {**head, "object": "chat.completion", "choices": [choice_], "usage": gen.usage()}
 
-        def events_stream():
-            def chunk(delta, finish=None, logprobs=None):
-                c = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
-                return _sse({**head, "object": "chat.completion.chunk", "choices": [c],
-                             **({"usage": None} if include_usage else {})})
+        def chunk(delta, finish=None, logprobs=None):
+            c = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+            return sse({**head, "object": "chat.completion.chunk", "choices": [c],
+                        **({"usage": None} if include_usage else {})})
+
+        async def events_stream():
             yield chunk({"role": "assistant", "content": ""})
-            for text, events in gen.deltas():
-                lp = {"content": chat_logprobs(tokenizer, events)} if want_logprobs else None
-                yield chunk({"content": text}, logprobs=lp)
+            try:
+                async for text, events in job.pieces():
+                    lp = {"content": chat_logprobs(tokenizer, events)} if want_logprobs else None
+                    yield chunk({"content": text}, logprobs=lp)
+            except Exception as e:  # cancelled by shutdown, or the backend failed: say so, no [DONE]
+                yield sse(error_body(f"generation ended early: {e}", 503, code="cancelled"))
+                return
             if gen.tool_calls:
                 yield chunk({"tool_calls": [{"index": i, **c} for i, c in enumerate(gen.tool_calls)]})
             yield chunk({}, finish=gen.finish_reason)
             if include_usage:
-                yield _sse({**head, "object": "chat.completion.chunk", "choices": [], "usage": gen.usage()})
+                yield sse({**head, "object": "chat.completion.chunk", "choices": [], "usage": gen.usage()})
             yield "data: [DONE]\n\n"
-        return StreamingResponse(events_stream(), media_type="text/event-stream")
+        return JobStream(events_stream(), worker, job)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await read_body(request)
+        body = await read_json(request, COMPLETION_PARAMS)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
@@ -281,84 +216,40 @@ def create_app(backend: TextBackend, tokenizer, model_name: str = "k3-mini", enf
         if body.get("echo"):
             _fail("echo is not supported by this server", "echo")
         params = check_sampling(body, enforce_contract, logprobs, (tokenizer.eos_id,))
+        check_context(len(prompt_ids), params.max_tokens, limits, "prompt")
         gen = Generation(backend, tokenizer, prompt_ids, params, None, stops)
+        job = submit(worker, gen)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_name}
 
         if not stream:
-            def run():
-                return list(gen.deltas())
-            pieces = await run_in_threadpool(run)
+            pieces = await collect(worker, job, request)
             text = "".join(t for t, _ in pieces)
             events = [e for _, evs in pieces for e in evs]
             choice_ = {"index": 0, "text": text, "finish_reason": gen.finish_reason,
                        "logprobs": completion_logprobs(tokenizer, events, 0) if logprobs is not None else None}
             return {**head, "object": "text_completion", "choices": [choice_], "usage": gen.usage()}
 
-        def events_stream():
+        async def events_stream():
             offset = 0
-            for text, events in gen.deltas():
-                lp = completion_logprobs(tokenizer, events, offset) if logprobs is not None else None
-                offset += len(text)
-                yield _sse({**head, "object": "text_completion",
-                            "choices": [{"index": 0, "text": text, "finish_reason": None, "logprobs": lp}]})
-            yield _sse({**head, "object": "text_completion",
-                        "choices": [{"index": 0, "text": "", "finish_reason": gen.finish_reason, "logprobs": None}]})
+            try:
+                async for text, events in job.pieces():
+                    lp = completion_logprobs(tokenizer, events, offset) if logprobs is not None else None
+                    offset += len(text)
+                    yield sse({**head, "object": "text_completion",
+                               "choices": [{"index": 0, "text": text, "finish_reason": None, "logprobs": lp}]})
+            except Exception as e:
+                yield sse(error_body(f"generation ended early: {e}", 503, code="cancelled"))
+                return
+            yield sse({**head, "object": "text_completion",
+                       "choices": [{"index": 0, "text": "", "finish_reason": gen.finish_reason, "logprobs": None}]})
             if include_usage:
-                yield _sse({**head, "object": "text_completion", "choices": [], "usage": gen.usage()})
+                yield sse({**head, "object": "text_completion", "choices": [], "usage": gen.usage()})
             yield "data: [DONE]\n\n"
-        return StreamingResponse(events_stream(), media_type="text/event-stream")
+        return JobStream(events_stream(), worker, job)
 
     return app
 
 
-# ---------------------------------------------------------------------------
-# Running it
-# ---------------------------------------------------------------------------
-
-class ServerThread:
-    """Run an app with uvicorn on a background thread (tests, `k3verify kvv --self`); port 0 = ephemeral."""
-
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
-        import uvicorn
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                                    lifespan="off", access_log=False))
-        self.host = host
-        self._thread = threading.Thread(target=self.server.run, name="k3verify-serve", daemon=True)
-
-    def __enter__(self) -> "ServerThread":
-        self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start on {self.host}")
-            time.sleep(0.02)
-        self.port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.base_url = f"http://{self.host}:{self.port}/v1"
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self._thread.join(timeout=30)
-
-
-def build_embedded_app(model=None, enforce_contract: bool = True):
-    """Load a model (preset name, path, or None for the embedded default) and wrap it in the app."""
-    from k3verify.backends.embedded import EmbeddedBackend
-    from optimized_stack import load_model
-    from optimized_stack.tokenizer import load_tokenizer
-
-    loaded = load_model(model)
-    tokenizer = load_tokenizer(model) if isinstance(model, str) else load_tokenizer(None)
-    if tokenizer.vocab_size != loaded.config.vocab_size:
-        raise K3Error(f"tokenizer vocab {tokenizer.vocab_size} does not match the model's {loaded.config.vocab_size}")
-    name = str(model) if model is not None else "k3-mini"
-    return create_app(EmbeddedBackend(loaded, tokenizer), tokenizer, name, enforce_contract)
-
-
-def serve_main(model=None, host: str = "127.0.0.1", port: int = 8000) -> int:
-    """`k3verify serve`: serve the embedded engine until interrupted. Returns an exit code."""
-    import uvicorn
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-        raise K3Error(f"port must be an integer in [0, 65535], got {port!r}")
-    uvicorn.run(build_embedded_app(model), host=host, port=port, log_level="info")
-    return 0
+# Running it (ServerThread, build_embedded_app, serve_main) lives in serve_run.py; re-exported here
+# because callers have always imported them from k3verify.serve.
+from k3verify.serve_run import ServerThread, build_embedded_app, serve_main  # noqa: E402,F401

@@ -9,10 +9,13 @@ FastAPI app, the generation loop or SSE streaming around them.
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
+from dataclasses import dataclass
 
 from k3verify.backends.base import SamplingParams
+from optimized_stack.errors import K3Error
 
 # K3's immutable sampling values (KVV tests/params: temperature 1.0 thinking / 0.6 non-thinking,
 # top_p 0.95, penalties 0, n 1). Two k3verify extensions, both documented: temperature 0 (greedy,
@@ -28,16 +31,129 @@ DEFAULT_MAX_TOKENS = 256
 
 
 class RequestError(Exception):
-    """A request that breaks the API contract -> HTTP 400 with this message."""
+    """A request the server refuses -> HTTP `status` (400 unless said) with this one-line message,
+    an OpenAI-style error body, and `headers` (Retry-After on 429/503)."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.param = param
-        self.status = status
+        self.param, self.status, self.code = param, status, code
+        self.headers = headers or {}
 
 
 def _fail(message: str, param: str | None = None):
     raise RequestError(message, param)
+
+
+# ---------------------------------------------------------------------------
+# What the server accepts at all: sizes, depth, parameter names
+# ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ServeLimits:
+    """The server's limits; each has a `k3verify serve` flag of the same name."""
+
+    max_body_bytes: int = 1 << 20       # request body, bytes (413 past it)
+    max_json_depth: int = 64            # nesting of arrays/objects in the body (400 past it)
+    # A prompt's prefill is one forward and cannot be cancelled midway: on 2 busy cores k3-mini's
+    # reference path prefills ~60 tokens/s (4096 tokens: 70 s), so this limit also bounds how long
+    # a cancelled request can still hold the worker. 8192 fits GSM8K 5-shot (~3.5K) with room.
+    max_prompt_tokens: int = 8192       # prompt after the chat template, tokens (400 past it)
+    max_model_len: int = 12288          # prompt + max_tokens, tokens (400 past it); 8192 + 4096 new
+    max_queue: int = 32                 # requests waiting behind the one generating (429 past it)
+    stall_s: float = 300.0              # busy without a token this long = wedged (/health 503); > longest prefill
+    probe_timeout_s: float = 10.0       # /health on an idle server: a 1-token generation must finish this fast
+    drain_s: float = 10.0               # on SIGTERM: wait this long for in-flight work, then cancel it
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_json_depth", "max_prompt_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise K3Error(f"{name} must be an integer >= 1, got {value!r}")
+        if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 0:
+            raise K3Error(f"max_queue must be an integer >= 0, got {self.max_queue!r}")
+        for name in ("stall_s", "probe_timeout_s", "drain_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise K3Error(f"{name} must be a number of seconds > 0, got {value!r}")
+        if self.max_prompt_tokens >= self.max_model_len:
+            raise K3Error(f"max_prompt_tokens ({self.max_prompt_tokens}) must be below max_model_len "
+                          f"({self.max_model_len}): a prompt needs room for at least one new token")
+
+
+def parse_json_object(raw: bytes, max_depth: int) -> dict:
+    """The body as a JSON object; 400 for non-JSON, a non-object or nesting past max_depth."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:  # the C scanner recurses per level: 100k nested arrays end here, not in a 500
+        _fail(f"the request body nests arrays/objects deeper than Python can parse; at most {max_depth} "
+              "levels are accepted")
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError
+        _fail("the request body must be a JSON object, got something that is not JSON")
+    if not isinstance(body, dict):
+        _fail(f"the request body must be a JSON object, got {type(body).__name__}")
+    # Iterative, so the check itself cannot recurse too deep; later code (schemas, programs) may recurse.
+    level, depth = [body], 1
+    while level:
+        if depth > max_depth:
+            _fail(f"the request body nests arrays/objects more than {max_depth} levels deep")
+        level = [v for c in level for v in (c.values() if isinstance(c, dict) else c) if isinstance(v, (dict, list))]
+        depth += 1
+    return body
+
+
+# Top-level fields each endpoint takes: what K3 implements, what the OpenAI API and its clients
+# (KVV: thinking / chat_template_kwargs; lm-eval local-completions: prompt, max_tokens, temperature,
+# stop, seed) legitimately send. Fields we cannot honour are accepted only at their neutral value
+# (check_neutral); anything else is a typo or a feature this server lacks, refused by name.
+CHAT_PARAMS = frozenset({
+    "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
+    "stream_options", "stop", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "seed",
+    "response_format", "tools", "tool_choice", "parallel_tool_calls", "logit_bias", "user", "metadata", "store",
+    "thinking", "chat_template_kwargs"})
+COMPLETION_PARAMS = frozenset({
+    "model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
+    "presence_penalty", "frequency_penalty", "logprobs", "echo", "seed", "best_of", "logit_bias", "suffix", "user"})
+
+
+def check_known_params(body: dict, allowed: frozenset, endpoint: str) -> None:
+    unknown = sorted(k for k in body if k not in allowed)
+    if unknown:
+        name = unknown[0]
+        near = difflib.get_close_matches(name, allowed, n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else f"; accepted: {', '.join(sorted(allowed))}"
+        _fail(f"unknown parameter {name!r} for {endpoint}{hint}", name)
+    check_neutral(body)
+
+
+def check_neutral(body: dict) -> None:
+    """Accepted fields this server does not act on: only values that ask for nothing pass."""
+    if body.get("logit_bias") not in (None, {}):
+        _fail("logit_bias is not supported by this server; send null or {}", "logit_bias")
+    if body.get("best_of") not in (None, 1):
+        _fail(f"best_of must be 1 (one sample per request), got {body['best_of']!r}", "best_of")
+    if body.get("suffix") not in (None, ""):
+        _fail("suffix (insertion) is not supported by this server", "suffix")
+    for key in ("parallel_tool_calls", "store"):
+        if body.get(key) is not None and not isinstance(body[key], bool):
+            _fail(f"{key} must be a boolean, got {body[key]!r}", key)
+    for key in ("metadata", "chat_template_kwargs"):
+        if body.get(key) is not None and not isinstance(body[key], dict):
+            _fail(f"{key} must be an object, got {body[key]!r}", key)
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        _fail(f"user must be a string, got {body['user']!r}", "user")
+    thinking = body.get("thinking")
+    if thinking is not None and (not isinstance(thinking, dict) or thinking.get("type") not in ("enabled", "disabled")):
+        _fail(f"thinking must be {{'type': 'enabled' | 'disabled'}}, got {thinking!r}", "thinking")
+
+
+def check_context(prompt_tokens: int, max_tokens: int, limits: ServeLimits, prompt_param: str) -> None:
+    if prompt_tokens > limits.max_prompt_tokens:
+        _fail(f"the prompt is {prompt_tokens} tokens; this server accepts at most {limits.max_prompt_tokens} "
+              "(--max-prompt-tokens)", prompt_param)
+    if prompt_tokens + max_tokens > limits.max_model_len:
+        _fail(f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {prompt_tokens + max_tokens} "
+              f"exceeds this server's context of {limits.max_model_len} tokens (--max-model-len)", "max_tokens")
 
 
 # ---------------------------------------------------------------------------

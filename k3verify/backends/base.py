@@ -70,7 +70,11 @@ class TokenConstraint(Protocol):
 
 @runtime_checkable
 class TextBackend(Protocol):
-    """Anything that can continue a prompt of token ids."""
+    """Anything that can continue a prompt of token ids.
+
+    Cancellation is close(): the server closes the returned iterator between tokens when its
+    client goes away or it shuts down, and the backend must then stop producing and free the
+    request's resources (a generator's finally does both)."""
 
     def generate(self, prompt_ids: list[int], params: SamplingParams,
                  constraint: TokenConstraint | None = None) -> Iterator[TokenEvent]: ...

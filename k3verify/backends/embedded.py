@@ -2,9 +2,14 @@
 
 `decode` is the whole generation loop (prefill the prompt, then one forward per
 token) and is kept apart so the engine's scheduler can replace it: an
-EmbeddedBackend calls whatever `decode_fn` it was given. Requests are served one
-at a time under a lock, because a model's incremental state is per request and
-the reference path is not meant to interleave.
+EmbeddedBackend calls whatever `decode_fn` it was given. One generation is open at
+a time, because a model's incremental state is per request and the reference path
+is not meant to interleave. That is the caller's job (the server's one generation
+worker owns the backend); a second generation opened while one is open is refused
+at once rather than made to wait, so no lock is ever held across a yielded token.
+Closing the stream (gen.close()) between tokens ends the generation there; the
+prompt's prefill is one forward and runs to its end (the server's --max-prompt-tokens
+bounds how long that is).
 """
 
 from __future__ import annotations
@@ -81,7 +86,8 @@ class EmbeddedBackend(TextBackend):
         self.tokenizer = tokenizer
         self.decode_fn = decode_fn
         self.vocab_size = int(model.config.vocab_size)
-        self._lock = threading.Lock()
+        self._guard = threading.Lock()  # held only to flip _open, never across a yield
+        self._open = False
 
     def generate(self, prompt_ids: list[int], params: SamplingParams,
                  constraint: TokenConstraint | None = None) -> Iterator[TokenEvent]:
@@ -90,6 +96,13 @@ class EmbeddedBackend(TextBackend):
         bad = [i for i in prompt_ids if not 0 <= int(i) < self.vocab_size]
         if bad:
             raise K3Error(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
-        # Held across the whole stream: a second request waits until this one is finished or closed.
-        with self._lock:
+        with self._guard:
+            if self._open:
+                raise K3Error("the embedded backend runs one generation at a time and one is still open; "
+                              "finish or close() it first")
+            self._open = True
+        try:
             yield from self.decode_fn(self.model, list(prompt_ids), params, constraint)
+        finally:  # runs on exhaustion, on close() (cancel) and on error
+            with self._guard:
+                self._open = False

@@ -1,27 +1,63 @@
 """`k3verify serve`: the OpenAI-compatible server (k3verify.serve) over the embedded engine.
 
-/v1/models, /v1/completions, /v1/chat/completions (streamed and not), /tokenize;
-requests that break K3's API contract get HTTP 400 with a reason. Runs until
-interrupted (Ctrl-C exits 130).
+/v1/models, /v1/completions, /v1/chat/completions (streamed and not), /tokenize, /health;
+requests that break K3's API contract get HTTP 400 with a reason. One worker owns the model
+and takes requests from a bounded queue (past it: 429 with Retry-After); a client that goes
+away cancels its generation. SIGTERM drains and exits 0; Ctrl-C exits 130.
 """
 from __future__ import annotations
+
+import re
 
 from k3verify.commands import add_model_flag
 from k3verify.errors import UsageError
 
 NAME = "serve"
 HELP = "serve the embedded model over an OpenAI-compatible HTTP API (K3's request contract enforced)"
+# ServeLimits field -> (flag, argparse dest)
+FLAGS = {"max_queue": ("--max-queue", "max_queue"), "max_body_bytes": ("--max-body-bytes", "max_body_bytes"),
+         "max_prompt_tokens": ("--max-prompt-tokens", "max_prompt_tokens"),
+         "max_model_len": ("--max-model-len", "max_model_len"), "stall_s": ("--stall-timeout", "stall_timeout"),
+         "drain_s": ("--drain-timeout", "drain_timeout")}
 
 
 def add_arguments(parser) -> None:
+    from k3verify.serve_validation import ServeLimits
+
+    d = ServeLimits()
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
     add_model_flag(parser)
+    limits = parser.add_argument_group("limits (past each: the HTTP status in brackets)")
+    limits.add_argument("--max-queue", type=int, default=d.max_queue, metavar="N",
+                        help=f"requests waiting behind the one generating [429 + Retry-After] (default {d.max_queue})")
+    limits.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, metavar="B",
+                        help=f"request body size [413] (default {d.max_body_bytes})")
+    limits.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens, metavar="T",
+                        help=f"prompt length after the chat template [400] (default {d.max_prompt_tokens})")
+    limits.add_argument("--max-model-len", type=int, default=d.max_model_len, metavar="T",
+                        help=f"prompt + max_tokens [400] (default {d.max_model_len})")
+    limits.add_argument("--stall-timeout", type=float, default=d.stall_s, metavar="S",
+                        help="seconds busy without a new token before /health calls the worker wedged [503]; "
+                             f"keep it above the longest prefill (default {d.stall_s:g})")
+    limits.add_argument("--drain-timeout", type=float, default=d.drain_s, metavar="S",
+                        help="on SIGTERM, seconds in-flight work may run before it is cancelled "
+                             f"(default {d.drain_s:g})")
 
 
 def run(args) -> int:
     from k3verify.serve import serve_main
+    from k3verify.serve_validation import ServeLimits
+    from optimized_stack.errors import K3Error
 
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in [0, 65535], got {args.port}")
-    return serve_main(args.model, host=args.host, port=args.port)
+    values = {field: getattr(args, dest) for field, (_, dest) in FLAGS.items()}
+    try:
+        limits = ServeLimits(**values)
+    except K3Error as e:  # the same rule, worded with the flags the user typed
+        message = str(e)
+        for field, (flag, _) in FLAGS.items():
+            message = re.sub(rf"\b{field}\b", flag, message)
+        raise UsageError(message) from None
+    return serve_main(args.model, host=args.host, port=args.port, limits=limits)
