@@ -66,8 +66,10 @@ def test_train_forward_matches_reference_logits(kda):
     ids = torch.randint(0, 256, (2, 90), generator=torch.Generator().manual_seed(0))
     with torch.no_grad(), override(linear=plain_linear):
         logits = tr.train_forward(m, ids, tr.SeqOps("cpu", kda))
+    # fp32 through 8 layers of a random model amplifies rounding: measured 4e-6 .. 1.2e-4 of
+    # max|logit| across MKL code branches (NOTES.md, 2026-12-01); the control below misses by > 1e-3
     for row in range(2):
-        assert _rel(logits[row], m.logits(ids[row])) < 1e-4
+        assert _rel(logits[row], m.logits(ids[row])) < 4e-4
 
 
 def test_train_forward_check_can_fail():
