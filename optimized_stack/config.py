@@ -222,6 +222,7 @@ def _from_hf(data: dict[str, Any]) -> K3Config:
     # other count, so this is not a GQA knob here.
     _check(kv_heads in (None, heads), "num_key_value_heads", f"{heads} (num_attention_heads) or null", kv_heads)
 
+    kinds = hf.layer_kinds(flat, num_layers)
     first_dense = hf.first_k_dense(flat, num_layers)
     has_moe = num_layers > first_dense
 
@@ -236,7 +237,7 @@ def _from_hf(data: dict[str, Any]) -> K3Config:
         vocab_size=hf.get(flat, "vocab_size"),
         hidden_size=hf.get(flat, "hidden_size"),
         num_layers=num_layers,
-        layer_kinds=hf.layer_kinds(flat, num_layers),
+        layer_kinds=kinds,
         kda_num_heads=hf.get(flat, "kda_num_heads"),
         kda_head_dim=hf.get(flat, "kda_head_dim"),
         kda_conv_size=hf.get(flat, "kda_conv_size", 4),

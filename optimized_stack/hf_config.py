@@ -179,8 +179,9 @@ def layer_kinds(flat: dict[str, Any], num_layers: int) -> tuple[str, ...]:
     if from_lac is not None and from_types is not None and from_lac != from_types:
         lac_mla = [i for i, k in enumerate(from_lac) if k == MLA]
         types_mla = [i for i, k in enumerate(from_types) if k == MLA]
-        fail("layer_types", f"full_attention at 0-indexed {lac_mla} (= 1-indexed "
-             f"{LAC}.full_attn_layers {[i + 1 for i in lac_mla]})", f"full_attention at {types_mla}")
+        raise ConfigError(f"config field 'layer_types': expected full_attention at 0-indexed {lac_mla} "
+                          f"(= 1-indexed {LAC}.full_attn_layers {[i + 1 for i in lac_mla]}), "
+                          f"got full_attention at {types_mla}")
     kinds = from_types if from_lac is None else from_lac
     if kinds is None:
         raise ConfigError(f"config field '{LAC}': expected kda_layers/full_attn_layers "
