@@ -341,13 +341,14 @@ class ServerThread:
         self._thread.join(timeout=30)
 
 
-def build_embedded_app(model=None, enforce_contract: bool = True):
-    """Load a model (preset name, path, or None for the embedded default) and wrap it in the app."""
+def build_embedded_app(model=None, enforce_contract: bool = True, **load_options):
+    """Load a model (preset name, path, or None for the embedded default) and wrap it in the app;
+    load_options go to load_model (allow_nonfinite, allow_dtype_cast)."""
     from k3verify.backends.embedded import EmbeddedBackend
     from optimized_stack import load_model
     from optimized_stack.tokenizer import load_tokenizer
 
-    loaded = load_model(model)
+    loaded = load_model(model, **load_options)
     tokenizer = load_tokenizer(model) if isinstance(model, str) else load_tokenizer(None)
     if tokenizer.vocab_size != loaded.config.vocab_size:
         raise K3Error(f"tokenizer vocab {tokenizer.vocab_size} does not match the model's {loaded.config.vocab_size}")
@@ -355,10 +356,10 @@ def build_embedded_app(model=None, enforce_contract: bool = True):
     return create_app(EmbeddedBackend(loaded, tokenizer), tokenizer, name, enforce_contract)
 
 
-def serve_main(model=None, host: str = "127.0.0.1", port: int = 8000) -> int:
+def serve_main(model=None, host: str = "127.0.0.1", port: int = 8000, **load_options) -> int:
     """`k3verify serve`: serve the embedded engine until interrupted. Returns an exit code."""
     import uvicorn
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise K3Error(f"port must be an integer in [0, 65535], got {port!r}")
-    uvicorn.run(build_embedded_app(model), host=host, port=port, log_level="info")
+    uvicorn.run(build_embedded_app(model, **load_options), host=host, port=port, log_level="info")
     return 0

@@ -6,7 +6,7 @@ interrupted (Ctrl-C exits 130).
 """
 from __future__ import annotations
 
-from k3verify.commands import add_model_flag
+from k3verify.commands import add_model_flag, model_load_options
 from k3verify.errors import UsageError
 
 NAME = "serve"
@@ -24,4 +24,4 @@ def run(args) -> int:
 
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in [0, 65535], got {args.port}")
-    return serve_main(args.model, host=args.host, port=args.port)
+    return serve_main(args.model, host=args.host, port=args.port, **model_load_options(args))
