@@ -202,6 +202,8 @@ def _from_hf(data: dict[str, Any]) -> K3Config:
     _check(num_layers > 0, "num_hidden_layers", "a positive integer", num_layers)
     is_k3 = (flat.get("k3_variant") == "k3" or "attn_res_block_size" in flat
              or flat.get("hidden_act") == "situ" or "routed_expert_hidden_size" in flat)
+    _check(flat.get("k3_variant", "k3") in ("k3", "kimi_linear"), "k3_variant", "'k3' or 'kimi_linear'",
+           flat.get("k3_variant"))
     if flat.get("k3_variant") == "kimi_linear":
         is_k3 = False
     variant = "k3" if is_k3 else "kimi_linear"

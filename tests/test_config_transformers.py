@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from k3verify.cli import main
 from optimized_stack import load_model
 from optimized_stack.errors import CheckpointError, ConfigError
 from tests.peer_fixtures import PEER_LOGITS_TOL, describe_diff, rel_err
@@ -57,6 +58,14 @@ def test_logits_match_the_release(directory):
     got, ref = _logits(directory)
     assert got.shape == ref.shape, f"logits shape {tuple(got.shape)} != {tuple(ref.shape)}"
     assert rel_err(got, ref) <= PEER_LOGITS_TOL, f"{describe_diff(got, ref)} > {PEER_LOGITS_TOL:g}"
+
+
+@pytest.mark.parametrize("directory", FIXTURES, ids=IDS)
+def test_cli_info_reads_the_fixture(directory, capsys):
+    assert main(["info", "--model", str(directory), "--json"]) == 0, capsys.readouterr().err
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    expected = {"checkpoint": "KKMK", "fields": "KMKM"}[directory.name]
+    assert out["layer_map"] == expected and out["source"]["stored_dtype"] == "float32", out["source"]
 
 
 def _copy(tmp_path: Path, version: str, spelling: str) -> Path:

@@ -97,7 +97,9 @@ def test_unknown_architecture_is_refused_naming_the_accepted(archs):
     ({"n_shared_experts": 1}, r"'num_shared_experts': expected its spellings to agree, got num_shared_experts=2 "
                               r"and n_shared_experts=1"),
     ({"linear_num_heads": 8}, r"'linear_attn_config.num_heads': expected its spellings to agree"),
-], ids=["kv-heads", "attention-bias", "rope", "unknown-nested-key", "shared-spellings", "kda-heads-spellings"])
+    ({"k3_variant": "k4"}, r"'k3_variant': expected 'k3' or 'kimi_linear', got 'k4'"),
+], ids=["kv-heads", "attention-bias", "rope", "unknown-nested-key", "shared-spellings", "kda-heads-spellings",
+        "variant"])
 def test_unsupported_or_contradictory_settings(changes, match):
     with pytest.raises(ConfigError, match=match):
         K3Config.from_hf(hf(**changes))
