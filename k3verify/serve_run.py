@@ -63,14 +63,16 @@ class ServerThread:
         self._thread.join(timeout=SHUTDOWN_GRACE_S + 5)
 
 
-def build_embedded_app(model=None, enforce_contract: bool = True, limits: ServeLimits = ServeLimits()):
-    """Load a model (preset name, path, or None for the embedded default) and wrap it in the app."""
+def build_embedded_app(model=None, enforce_contract: bool = True, limits: ServeLimits = ServeLimits(),
+                       **load_options):
+    """Load a model (preset name, path, or None for the embedded default) and wrap it in the app;
+    load_options go to load_model (allow_nonfinite, allow_dtype_cast)."""
     from k3verify.backends.embedded import EmbeddedBackend
     from k3verify.serve import create_app
     from optimized_stack import load_model
     from optimized_stack.tokenizer import load_tokenizer
 
-    loaded = load_model(model)
+    loaded = load_model(model, **load_options)
     tokenizer = load_tokenizer(model) if isinstance(model, str) else load_tokenizer(None)
     if tokenizer.vocab_size != loaded.config.vocab_size:
         raise K3Error(f"tokenizer vocab {tokenizer.vocab_size} does not match the model's {loaded.config.vocab_size}")
@@ -78,11 +80,12 @@ def build_embedded_app(model=None, enforce_contract: bool = True, limits: ServeL
     return create_app(EmbeddedBackend(loaded, tokenizer), tokenizer, name, enforce_contract, limits)
 
 
-def serve_main(model=None, host: str = "127.0.0.1", port: int = 8000, limits: ServeLimits = ServeLimits()) -> int:
+def serve_main(model=None, host: str = "127.0.0.1", port: int = 8000, limits: ServeLimits = ServeLimits(),
+               **load_options) -> int:
     """`k3verify serve`: serve the embedded engine until SIGTERM (exit 0) or SIGINT (exit 130)."""
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise K3Error(f"port must be an integer in [0, 65535], got {port!r}")
-    app = build_embedded_app(model, limits=limits)
+    app = build_embedded_app(model, limits=limits, **load_options)
     asked, forced, got = threading.Event(), threading.Event(), []
 
     def on_signal(signum, frame):

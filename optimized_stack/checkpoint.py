@@ -2,17 +2,22 @@
 
 Weight names are the HF ones (`model.layers.N.self_attn.q_proj.weight`, ...); the module
 tree in optimized_stack.model uses the same names, so loading is a strict name match.
-A missing, unexpected or mis-shaped tensor fails with one line naming it.
+A missing, unexpected or mis-shaped tensor, a file that is not (or no longer) safetensors,
+an index its shards disagree with, a non-float dtype, a float16/float64 tensor (unless a
+cast is asked for) and a NaN or inf (unless allowed) each fail with one line naming it.
+Loading only reads: nothing on disk is written or touched.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import struct
 import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .config import K3Config
@@ -21,28 +26,117 @@ from .model.model import K3Model
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+# Real K3 ships bf16 (a few fp32 tensors: router, dt_bias); our checkpoints are fp32. Both
+# load into the fp32 model exactly. float16/float64 would be converted: only when asked.
+ACCEPTED_DTYPES = (torch.float32, torch.bfloat16)
+CASTABLE_DTYPES = (torch.float16, torch.float64)
 
 
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint directory (single file or sharded via the index json)."""
     path = Path(path)
     if (path / WEIGHTS).is_file():
-        return load_file(str(path / WEIGHTS))
+        return _load_file(path / WEIGHTS)
     if (path / INDEX).is_file():
-        try:
-            weight_map = json.loads((path / INDEX).read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as exc:
-            raise CheckpointError(f"{path / INDEX}: expected JSON with a 'weight_map', got {exc!r}") from None
+        shards = _read_index(path)
         out: dict[str, torch.Tensor] = {}
-        for shard in sorted(set(weight_map.values())):
-            if not (path / shard).is_file():
-                raise CheckpointError(f"checkpoint shard {shard!r} named in {INDEX} is missing")
-            out.update(load_file(str(path / shard)))
-        missing = sorted(set(weight_map) - set(out))
-        if missing:
-            raise CheckpointError(f"tensor {missing[0]!r} is in {INDEX} but in none of its shards")
+        for shard, names in shards.items():
+            tensors = _load_file(path / shard)
+            extra = sorted(set(tensors) - names)
+            if extra:
+                where = [s for s, n in shards.items() if extra[0] in n]
+                listed = f"lists it under {where[0]!r}" if where else "does not list it"
+                raise CheckpointError(f"shard {shard!r} holds tensor {extra[0]!r}, but {INDEX} {listed}")
+            missing = sorted(names - set(tensors))
+            if missing:
+                raise CheckpointError(f"tensor {missing[0]!r} is mapped to shard {shard!r} in {INDEX}, "
+                                      f"but that shard does not hold it ({len(missing)} missing)")
+            out.update(tensors)
         return out
     raise CheckpointError(f"no weights in {path}: expected {WEIGHTS} or {INDEX}")
+
+
+def _read_index(path: Path) -> dict[str, set[str]]:
+    """shard file -> the tensor names the index maps to it; shards must exist inside path."""
+    index = path / INDEX
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{index}: expected JSON with a 'weight_map', got {exc!r}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index}: expected 'weight_map' to map tensor names to shard file names, "
+                              f"got {type(weight_map).__name__}")
+    shards: dict[str, set[str]] = {}
+    for name, shard in weight_map.items():
+        shards.setdefault(shard, set()).add(name)
+    for shard in sorted(shards):
+        if Path(shard).name != shard:
+            raise CheckpointError(f"{INDEX}: expected shard file names inside {path}, got {shard!r}")
+        if not (path / shard).is_file():
+            raise CheckpointError(f"checkpoint shard {shard!r} named in {INDEX} is missing")
+    return dict(sorted(shards.items()))
+
+
+def _load_file(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(file))
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{file}: {_what_is_wrong(file, exc)}") from None
+
+
+def _what_is_wrong(file: Path, exc: Exception) -> str:
+    """Why safetensors refused the file, in words: empty, truncated, or not safetensors at all.
+
+    The format: an 8-byte little-endian header length N, N bytes of JSON, then the tensor
+    bytes, which the header's data_offsets must cover exactly.
+    """
+    size = file.stat().st_size
+    if size == 0:
+        return "expected a safetensors file, got an empty file (0 bytes)"
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"expected a safetensors file (8-byte header length first), got {size} bytes"
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            return (f"expected a safetensors file, got one whose first 8 bytes declare a {n:,}-byte header "
+                    f"but only {size - 8:,} bytes follow (not safetensors, or truncated inside the header)")
+        try:
+            header = json.loads(f.read(n))
+            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+            return "expected a safetensors file, got a header that is not safetensors JSON"
+    if end > size - 8 - n:
+        return (f"truncated: the header needs {end:,} bytes of tensor data, the file has {size - 8 - n:,} "
+                f"({size:,} bytes in all)")
+    return f"not a readable safetensors file ({' '.join(str(exc).split())})"
+
+
+def check_tensor(name: str, tensor: torch.Tensor, allow_nonfinite: bool = False,
+                 allow_dtype_cast: bool = False) -> None:
+    """A stored tensor must be fp32/bf16 (fp16/fp64 only with allow_dtype_cast) and finite
+    (unless allow_nonfinite: a deliberately poisoned model for the run-time NaN checks)."""
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    if tensor.dtype in CASTABLE_DTYPES and not allow_dtype_cast:
+        raise CheckpointError(f"tensor {name!r}: expected float32 or bfloat16, got {dtype} (not converted "
+                              "silently: pass allow_dtype_cast=True, CLI --allow-weight-cast, to cast it)")
+    if tensor.dtype not in ACCEPTED_DTYPES + CASTABLE_DTYPES:
+        raise CheckpointError(f"tensor {name!r}: expected a float32 or bfloat16 tensor, got {dtype}")
+    if allow_nonfinite:
+        return
+    bad = ~torch.isfinite(tensor)
+    if bad.any():
+        idx = tuple(int(i) for i in bad.nonzero()[0])
+        raise CheckpointError(
+            f"tensor {name!r}: expected finite values, got {int(bad.sum())} of {tensor.numel()} non-finite, "
+            f"first {tensor[idx].item()} at index {idx} (pass allow_nonfinite=True, CLI "
+            "--allow-nonfinite-weights, to load it anyway)")
+
+
+def stored_dtype(tensors: dict[str, torch.Tensor]) -> str | None:
+    """The checkpoint's dtype(s) as stored: 'bfloat16', or 'bfloat16+float32' when mixed."""
+    names = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()})
+    return "+".join(names) or None
 
 
 def _fit(name: str, tensor: torch.Tensor, target: torch.Tensor, cfg: K3Config) -> torch.Tensor:
@@ -74,8 +168,10 @@ def _canonical_names(tensors: dict[str, torch.Tensor], params: dict[str, torch.T
     return out
 
 
-def load_weights(model: K3Model, tensors: dict[str, torch.Tensor]) -> None:
-    """Strictly copy tensors into model; every parameter must be provided exactly once."""
+def load_weights(model: K3Model, tensors: dict[str, torch.Tensor], allow_nonfinite: bool = False,
+                 allow_dtype_cast: bool = False) -> None:
+    """Strictly copy tensors into model; every parameter must be provided exactly once, each
+    passing check_tensor. All checks run before the first copy."""
     params = dict(model.named_parameters())
     tensors = _canonical_names(tensors, params)
     missing = sorted(set(params) - set(tensors))
@@ -86,9 +182,13 @@ def load_weights(model: K3Model, tensors: dict[str, torch.Tensor]) -> None:
     if unexpected:
         raise CheckpointError(f"tensor {unexpected[0]!r} in the checkpoint is not a parameter of "
                               f"this config ({len(unexpected)} unexpected)")
+    fitted = {}
+    for name, p in params.items():
+        check_tensor(name, tensors[name], allow_nonfinite, allow_dtype_cast)
+        fitted[name] = _fit(name, tensors[name], p, model.config)
     with torch.no_grad():
         for name, p in params.items():
-            p.copy_(_fit(name, tensors[name], p, model.config).to(p.dtype))
+            p.copy_(fitted[name].to(p.dtype))
 
 
 def save_checkpoint(model: K3Model, directory: str | Path) -> str:

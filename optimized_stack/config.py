@@ -1,11 +1,8 @@
 """K3Config: one dataclass for the model shape, read from HF-style config.json.
 
-Accepts the three spellings seen in the wild:
-- K3 / Kimi Linear originals: `linear_attn_config` with 1-INDEXED `kda_layers` and
-  `full_attn_layers`, `num_experts`, `num_experts_per_token` ...
-- transformers' Kimi Linear: `layer_types` (0-indexed list of "linear_attention" /
-  "full_attention"), `linear_num_heads`, `linear_head_dim`, `num_experts_per_tok` ...
-- K3 multimodal wrapper: the same fields nested under `text_config`.
+Accepts the Kimi / K3 checkpoint spellings, transformers' KimiLinearConfig spellings and
+the K3 multimodal wrapper (the same fields nested under `text_config`); which keys mean
+what, their types and how conflicts are settled live in hf_config.py.
 
 Everything is validated on construction; a bad field fails with one line naming the
 field, what was expected and what arrived.
@@ -18,28 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import hf_config as hf
 from .errors import ConfigError
-
-KDA, MLA = "kda", "mla"
-
-# HF keys we read but that do not change the forward pass (NoPE model, no rotary;
-# generation/runtime flags). Listed so that genuinely unknown keys can be rejected.
-_IGNORED_HF_KEYS = {
-    "architectures", "auto_map", "model_type", "transformers_version", "torch_dtype", "dtype",
-    "initializer_range", "max_position_embeddings", "rope_theta", "rope_parameters",
-    "rope_scaling", "use_cache", "num_nextn_predict_layers", "topk_method", "use_grouped_topk",
-    "moe_layer_freq", "tie_word_embeddings", "_name_or_path", "num_key_value_heads",
-    "hidden_act", "attention_dropout", "attention_bias", "output_attentions",
-    "output_hidden_states", "return_dict", "pretraining_tp", "quantization_config",
-    "use_return_dict", "chunk_size_feed_forward", "is_encoder_decoder", "id2label",
-    "label2id", "problem_type", "tokenizer_class", "bos_token_id", "eos_token_id",
-    "pad_token_id", "vision_config", "text_config", "media_placeholder_token_id",
-    "model_max_length", "mla_use_nope", "moe_router_activation_func", "moe_renormalize",
-    "latent_moe_use_norm", "head_dim", "linear_attn_config", "layer_types",
-    # transformers' KimiLinearConfig writes these; they restate other fields
-    "mlp_layer_types", "output_router_logits", "qk_head_dim", "router_aux_loss_coef",
-}
-
+from .hf_config import KDA, MLA, is_int
 
 @dataclass(frozen=True)
 class K3Config:
@@ -93,8 +71,8 @@ class K3Config:
                      "num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim",
                      "intermediate_size", "moe_intermediate_size", "kda_conv_size"):
             value = getattr(self, name)
-            _check(isinstance(value, int) and value > 0, name, "a positive integer", value)
-        _check(isinstance(self.qk_rope_head_dim, int) and self.qk_rope_head_dim >= 0,
+            _check(is_int(value) and value > 0, name, "a positive integer", value)
+        _check(is_int(self.qk_rope_head_dim) and self.qk_rope_head_dim >= 0,
                "qk_rope_head_dim", "an integer >= 0", self.qk_rope_head_dim)
         _check(len(self.layer_kinds) == self.num_layers, "layer_kinds",
                f"{self.num_layers} entries (num_hidden_layers)", len(self.layer_kinds))
@@ -217,127 +195,87 @@ def _check(ok: bool, name: str, expected: str, got: Any) -> None:
         raise ConfigError(f"config field '{name}': expected {expected}, got {got!r}")
 
 
-# HF spellings -> our field names (first present wins).
-_ALIASES: dict[str, tuple[str, ...]] = {
-    "num_experts": ("num_experts", "n_routed_experts"),
-    "num_experts_per_token": ("num_experts_per_token", "num_experts_per_tok"),
-    "num_shared_experts": ("num_shared_experts", "n_shared_experts"),
-}
-_KNOWN_EXTRA = {
-    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
-    "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mla_use_output_gate",
-    "first_k_dense_replace", "intermediate_size", "moe_intermediate_size",
-    "routed_expert_hidden_size", "routed_scaling_factor", "activation_situ_beta",
-    "activation_situ_linear_beta", "attn_res_block_size", "rms_norm_eps", "lora_norm_eps",
-    "k3_variant", "linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim",
-    "linear_short_conv_kernel_size", "num_expert_group", "topk_group", "n_group",
-    "linear_gate_lower_bound", "linear_use_full_rank_gate", "norm_topk_prob",
-} | {a for names in _ALIASES.values() for a in names}
-
-
-def _get(data: dict[str, Any], key: str, default: Any = ...) -> Any:
-    for name in _ALIASES.get(key, (key,)):
-        if name in data:
-            return data[name]
-    if default is ...:
-        raise ConfigError(f"config field '{key}': expected a value, got nothing (field missing)")
-    return default
-
-
-def _layer_kinds(data: dict[str, Any], num_layers: int) -> tuple[str, ...]:
-    lac = data.get("linear_attn_config")
-    if isinstance(lac, dict) and ("kda_layers" in lac or "full_attn_layers" in lac):
-        full = lac.get("full_attn_layers", [])
-        kda = lac.get("kda_layers", [])
-        for name, layers in (("full_attn_layers", full), ("kda_layers", kda)):
-            bad = [i for i in layers if not isinstance(i, int) or not 1 <= i <= num_layers]
-            _check(not bad, f"linear_attn_config.{name}",
-                   f"1-indexed layer numbers in 1..{num_layers}", bad[:3])
-        overlap = sorted(set(full) & set(kda))
-        _check(not overlap, "linear_attn_config", "disjoint kda_layers and full_attn_layers", overlap)
-        missing = sorted(set(range(1, num_layers + 1)) - set(full) - set(kda))
-        _check(not missing, "linear_attn_config", "every layer in kda_layers or full_attn_layers",
-               f"layers {missing[:5]} in neither")
-        return tuple(MLA if i + 1 in set(full) else KDA for i in range(num_layers))
-    if "layer_types" in data:
-        types = data["layer_types"]
-        _check(isinstance(types, list) and len(types) == num_layers, "layer_types",
-               f"a list of {num_layers} layer types", types if not isinstance(types, list) else len(types))
-        mapping = {"linear_attention": KDA, "kda": KDA, "full_attention": MLA, "mla": MLA}
-        bad = [t for t in types if t not in mapping]
-        _check(not bad, "layer_types", "'linear_attention' or 'full_attention'", bad[:1])
-        return tuple(mapping[t] for t in types)
-    raise ConfigError("config field 'linear_attn_config': expected kda_layers/full_attn_layers "
-                      "or a 'layer_types' list, got neither")
-
-
 def _from_hf(data: dict[str, Any]) -> K3Config:
-    num_layers = _get(data, "num_hidden_layers")
-    _check(isinstance(num_layers, int) and num_layers > 0, "num_hidden_layers", "a positive integer", num_layers)
-    lac = data.get("linear_attn_config") if isinstance(data.get("linear_attn_config"), dict) else {}
-    is_k3 = (data.get("k3_variant") == "k3" or "attn_res_block_size" in data
-             or data.get("hidden_act") == "situ" or "routed_expert_hidden_size" in data)
-    if data.get("k3_variant") == "kimi_linear":
+    flat = hf.flatten(data)                    # unknown keys and wrong types stop here
+    hf.check_architectures(flat)
+    num_layers = hf.get(flat, "num_hidden_layers")
+    _check(num_layers > 0, "num_hidden_layers", "a positive integer", num_layers)
+    is_k3 = (flat.get("k3_variant") == "k3" or "attn_res_block_size" in flat
+             or flat.get("hidden_act") == "situ" or "routed_expert_hidden_size" in flat)
+    _check(flat.get("k3_variant", "k3") in ("k3", "kimi_linear"), "k3_variant", "'k3' or 'kimi_linear'",
+           flat.get("k3_variant"))
+    if flat.get("k3_variant") == "kimi_linear":
         is_k3 = False
     variant = "k3" if is_k3 else "kimi_linear"
 
-    unknown = sorted(set(data) - _IGNORED_HF_KEYS - _KNOWN_EXTRA)
-    if unknown:
-        raise ConfigError(f"config field '{unknown[0]}': expected a known K3/Kimi Linear field, "
-                          f"got an unknown key ({len(unknown)} unknown: {', '.join(unknown[:5])})")
-    if _get(data, "tie_word_embeddings", False):
+    if flat.get("tie_word_embeddings", False):
         raise ConfigError("config field 'tie_word_embeddings': expected false (K3 has an untied "
                           "lm_head), got true")
-    groups = data.get("num_expert_group", data.get("n_group", 1)) or 1
+    if flat.get("attention_bias", False):
+        raise ConfigError("config field 'attention_bias': expected false (no MLA projection "
+                          "biases), got true")
+    _check(flat.get("mla_use_nope", True), "mla_use_nope", "true (no rotary embedding is implemented)",
+           flat.get("mla_use_nope"))
+    groups = hf.get(flat, "num_expert_group", 1) or 1
     _check(groups == 1, "num_expert_group", "1 (grouped routing is not implemented)", groups)
+    heads = hf.get(flat, "num_attention_heads")
+    kv_heads = flat.get("num_key_value_heads")
+    # MLA's K/V come out of kv_b_proj per query head; transformers' repeat_kv would break on any
+    # other count, so this is not a GQA knob here.
+    _check(kv_heads in (None, heads), "num_key_value_heads", f"{heads} (num_attention_heads) or null", kv_heads)
 
-    act = data.get("hidden_act", "situ" if is_k3 else "silu")
+    kinds = hf.layer_kinds(flat, num_layers)
+    first_dense = hf.first_k_dense(flat, num_layers)
+    has_moe = num_layers > first_dense
+
+    def moe(field: str, default: Any) -> Any:    # required only where MoE layers exist
+        return hf.get(flat, field) if has_moe else hf.get(flat, field, default)
+
+    act = flat.get("hidden_act", "situ" if is_k3 else "silu")
     act = {"swiglu": "silu"}.get(act, act)
-    head_dim = lac.get("head_dim", data.get("linear_head_dim", data.get("head_dim")))
+    eos = flat.get("eos_token_id")
     kw: dict[str, Any] = dict(
         variant=variant,
-        vocab_size=_get(data, "vocab_size"),
-        hidden_size=_get(data, "hidden_size"),
+        vocab_size=hf.get(flat, "vocab_size"),
+        hidden_size=hf.get(flat, "hidden_size"),
         num_layers=num_layers,
-        layer_kinds=_layer_kinds(data, num_layers),
-        kda_num_heads=lac.get("num_heads", data.get("linear_num_heads", _get(data, "num_attention_heads"))),
-        kda_head_dim=head_dim,
-        kda_conv_size=lac.get("short_conv_kernel_size",
-                              data.get("linear_conv_kernel_dim", data.get("linear_short_conv_kernel_size", 4))),
-        kda_gate_lower_bound=lac.get("gate_lower_bound", data.get("linear_gate_lower_bound", -5.0)),
-        kda_full_rank_gate=lac.get("use_full_rank_gate", data.get("linear_use_full_rank_gate", is_k3)),
-        num_heads=_get(data, "num_attention_heads"),
-        q_lora_rank=data.get("q_lora_rank"),
-        kv_lora_rank=_get(data, "kv_lora_rank"),
-        qk_nope_head_dim=_get(data, "qk_nope_head_dim"),
-        qk_rope_head_dim=_get(data, "qk_rope_head_dim"),
-        v_head_dim=_get(data, "v_head_dim"),
-        mla_output_gate=data.get("mla_use_output_gate", is_k3),
-        first_k_dense_replace=data.get("first_k_dense_replace", 0),
-        intermediate_size=_get(data, "intermediate_size"),
-        num_experts=_get(data, "num_experts", 0),
-        num_experts_per_token=_get(data, "num_experts_per_token", 1),
-        num_shared_experts=_get(data, "num_shared_experts", 0),
-        moe_intermediate_size=_get(data, "moe_intermediate_size", _get(data, "intermediate_size")),
-        routed_expert_hidden_size=data.get("routed_expert_hidden_size"),
-        routed_scaling_factor=float(data.get("routed_scaling_factor", 1.0)),
-        moe_renormalize=data.get("moe_renormalize", data.get("norm_topk_prob", True)),
+        layer_kinds=kinds,
+        kda_num_heads=hf.get(flat, "kda_num_heads"),
+        kda_head_dim=hf.get(flat, "kda_head_dim"),
+        kda_conv_size=hf.get(flat, "kda_conv_size", 4),
+        kda_gate_lower_bound=float(hf.get(flat, "kda_gate_lower_bound", -5.0)),
+        kda_full_rank_gate=hf.get(flat, "kda_full_rank_gate", is_k3),
+        num_heads=heads,
+        q_lora_rank=flat.get("q_lora_rank"),
+        kv_lora_rank=hf.get(flat, "kv_lora_rank"),
+        qk_nope_head_dim=hf.get(flat, "qk_nope_head_dim"),
+        qk_rope_head_dim=hf.get(flat, "qk_rope_head_dim"),
+        v_head_dim=hf.get(flat, "v_head_dim"),
+        mla_output_gate=flat.get("mla_use_output_gate", is_k3),
+        first_k_dense_replace=first_dense,
+        intermediate_size=hf.get(flat, "intermediate_size"),
+        num_experts=moe("num_experts", 0),
+        num_experts_per_token=moe("num_experts_per_token", 1),
+        num_shared_experts=moe("num_shared_experts", 0),
+        moe_intermediate_size=moe("moe_intermediate_size", hf.get(flat, "intermediate_size")),
+        routed_expert_hidden_size=flat.get("routed_expert_hidden_size"),
+        routed_scaling_factor=float(moe("routed_scaling_factor", 1.0)),
+        moe_renormalize=hf.get(flat, "moe_renormalize", True),
         activation=act,
-        situ_beta=float(data.get("activation_situ_beta", 4.0)),
-        situ_linear_beta=float(data.get("activation_situ_linear_beta", 25.0)),
-        attn_res_block_size=data.get("attn_res_block_size") if is_k3 else None,
-        rms_norm_eps=float(data.get("rms_norm_eps", 1e-5)),
+        situ_beta=float(flat.get("activation_situ_beta", 4.0)),
+        situ_linear_beta=float(flat.get("activation_situ_linear_beta", 25.0)),
+        attn_res_block_size=flat.get("attn_res_block_size") if is_k3 else None,
+        rms_norm_eps=float(flat.get("rms_norm_eps", 1e-5)),
         # Kimi Linear's HF code builds the MLA LoRA norms with the hard-coded 1e-6; the K3
         # port uses rms_norm_eps (k3-architecture.md: unconfirmed which K3 expects).
-        lora_norm_eps=data.get("lora_norm_eps", None if is_k3 else 1e-6),
-        bos_token_id=data.get("bos_token_id", 1) if data.get("bos_token_id") is not None else 1,
-        eos_token_id=_first(data.get("eos_token_id", 2)),
-        pad_token_id=data.get("pad_token_id", 0) if data.get("pad_token_id") is not None else 0,
+        lora_norm_eps=flat.get("lora_norm_eps", None if is_k3 else 1e-6),
+        # null ids mean "none given" in HF configs; a list of eos ids stops on the first
+        bos_token_id=_or(flat.get("bos_token_id"), 1),
+        eos_token_id=_or(eos[0] if isinstance(eos, list) else eos, 2),
+        pad_token_id=_or(flat.get("pad_token_id"), 0),
     )
-    _check(isinstance(kw["kda_head_dim"], int), "linear_attn_config.head_dim", "an integer", kw["kda_head_dim"])
     return K3Config(**kw)
 
 
-def _first(value: Any) -> Any:
-    """eos_token_id may be a list in HF configs; the first id is the one we stop on."""
-    return value[0] if isinstance(value, list) and value else value
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value

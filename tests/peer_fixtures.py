@@ -19,6 +19,10 @@ from typing import Any, Callable, Iterator
 import torch
 
 # The relative error every peer test reports: max|got - ref| / max|ref|.
+# Against transformers' Kimi Linear it must stay <= PEER_LOGITS_TOL: the two sides differ in
+# summation order (chunked vs recurrent KDA) and the MLA LoRA norm eps (1e-6 vs
+# rms_norm_eps), ~1e-5; a structural bug is orders of magnitude above it.
+PEER_LOGITS_TOL = 1e-4
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -182,6 +186,33 @@ def kimi_linear_config(spec: KimiLinearSpec):
     )
 
 
+def kimi_linear_config_fields(spec: KimiLinearSpec):
+    """The same model as kimi_linear_config(spec), spelled with KimiLinearConfig's own field
+    names: 0-indexed layer_types, mlp_layer_types, num_local_experts, linear_num_heads, ...
+    Its saved config.json then has no linear_attn_config and no first_k_dense_replace."""
+    from transformers import KimiLinearConfig
+
+    full = set(spec.full_attn_layers)
+    return KimiLinearConfig(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size, moe_intermediate_size=spec.moe_intermediate_size,
+        num_hidden_layers=spec.num_layers, num_attention_heads=spec.mla_heads,
+        num_key_value_heads=spec.mla_heads, q_lora_rank=spec.q_lora_rank,
+        kv_lora_rank=spec.kv_lora_rank, qk_nope_head_dim=spec.qk_nope_head_dim,
+        qk_rope_head_dim=spec.qk_rope_head_dim, v_head_dim=spec.v_head_dim,
+        num_local_experts=spec.num_experts, num_experts_per_tok=spec.top_k,
+        n_shared_experts=spec.num_shared_experts, routed_scaling_factor=spec.routed_scaling_factor,
+        rms_norm_eps=1e-5, linear_num_heads=spec.kda_heads, linear_head_dim=spec.kda_head_dim,
+        linear_conv_kernel_dim=4,
+        layer_types=["full_attention" if i + 1 in full else "linear_attention" for i in range(spec.num_layers)],
+        mlp_layer_types=["dense" if i < spec.first_k_dense_replace else "sparse" for i in range(spec.num_layers)],
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    )
+
+
+SPELLINGS = {"checkpoint": kimi_linear_config, "fields": kimi_linear_config_fields}
+
+
 def _is_norm_gain(name: str) -> bool:
     return name.endswith(("layernorm.weight", "norm.weight"))
 
@@ -215,12 +246,13 @@ def perturb_kimi_linear_(model: torch.nn.Module, seed: int) -> None:
             t.copy_(noise / math.sqrt(fan_in))
 
 
-def build_kimi_linear(spec: KimiLinearSpec, seed: int):
-    """A perturbed transformers KimiLinearForCausalLM in fp32 eval mode on the CPU."""
+def build_kimi_linear(spec: KimiLinearSpec, seed: int, spelling: str = "checkpoint"):
+    """A perturbed transformers KimiLinearForCausalLM in fp32 eval mode on the CPU; its config
+    spelled as Kimi checkpoints spell it ("checkpoint") or with KimiLinearConfig's field names."""
     from transformers import KimiLinearForCausalLM
 
     torch.manual_seed(seed)
-    config = kimi_linear_config(spec)
+    config = SPELLINGS[spelling](spec)
     config._attn_implementation = "eager"
     model = KimiLinearForCausalLM(config).float().eval()
     perturb_kimi_linear_(model, seed)

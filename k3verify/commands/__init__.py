@@ -44,6 +44,16 @@ def add_model_flag(parser) -> None:
         metavar="M",
         help="model directory (config.json + model.safetensors) or preset name (k3-mini, ...); default: the embedded model",
     )
+    parser.add_argument("--allow-nonfinite-weights", action="store_true",
+                        help="load a checkpoint with NaN/inf weights (a poisoned model for the run-time checks)")
+    parser.add_argument("--allow-weight-cast", action="store_true",
+                        help="cast float16/float64 checkpoint weights to the model's dtype instead of refusing them")
+
+
+def model_load_options(args) -> dict[str, bool]:
+    """load_model keyword arguments from the flags add_model_flag declares (every command's one source)."""
+    return {"allow_nonfinite": getattr(args, "allow_nonfinite_weights", False),
+            "allow_dtype_cast": getattr(args, "allow_weight_cast", False)}
 
 
 def add_device_flag(parser) -> None:

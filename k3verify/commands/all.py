@@ -17,7 +17,7 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from k3verify.commands import add_json_flag, add_model_flag, console, emit_json
+from k3verify.commands import add_json_flag, add_model_flag, console, emit_json, model_load_options
 from k3verify.errors import UsageError
 
 NAME = "all"
@@ -119,11 +119,11 @@ def run(args) -> int:
             raise UsageError(f"--resume {plan['run_id']} ran suite {plan['suite']['name']!r}, got --suite {args.suite!r}")
         if args.model and args.model != plan["model"]:
             raise UsageError(f"--resume {plan['run_id']} ran model {plan['model']!r}, got --model {args.model!r}")
-        model = load_model(plan["model"])
+        model = load_model(plan["model"], **model_load_options(args))
         run_all.check_model(plan, model)
     else:
         suite = load_suite(args.suite or "premerge")
-        model = load_model(args.model)
+        model = load_model(args.model, **model_load_options(args))
         run_id = new_run_id("all")
         run_dir = args.report_dir or REPO / "reports" / run_id
         if (run_dir / "plan.json").is_file():

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.table import Table
 
 from k3verify.commands import (add_device_flag, add_json_flag, add_model_flag, console, emit_json,
-                               requested_device)
+                               model_load_options, requested_device)
 from k3verify.errors import UsageError
 
 NAME = "bench"
@@ -36,7 +36,7 @@ def run(args) -> int:
     for t in args.toggle or ():
         registry.get(t)
     device = requested_device(args)
-    model = load_model(args.model, device=device)
+    model = load_model(args.model, device=device, **model_load_options(args))
     hbm = None
     if device == "cuda" and args.workload == "decode":
         from k3verify.gpu_bench import hbm_copy_bandwidth

@@ -12,7 +12,7 @@ from pathlib import Path
 from rich.table import Table
 
 from k3verify.commands import (add_device_flag, add_json_flag, add_model_flag, console, emit_json,
-                               requested_device)
+                               model_load_options, requested_device)
 
 NAME = "diff"
 HELP = "judge one toggle against the reference path (bitwise / drift budget) and write a report"
@@ -65,7 +65,7 @@ def run(args) -> int:
         registry.get(name)                       # unknown names: exit 2 before any work
     for name in args.scenario or ():
         workloads.build(name)
-    model = load_model(args.model, device=requested_device(args))
+    model = load_model(args.model, device=requested_device(args), **model_load_options(args))
     con = console()
     results = verify.judge(model, args.toggle, args.scenario, scale=args.scale, seed=args.seed,
                            progress=lambda msg: print(f"  running {msg}", file=sys.stderr),

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from k3verify.commands import add_json_flag, add_model_flag, console, emit_json
+from k3verify.commands import add_json_flag, add_model_flag, console, emit_json, model_load_options
 from k3verify.errors import UsageError
 
 NAME = "generate"
@@ -35,7 +35,7 @@ def run(args) -> int:
     from optimized_stack import load_model
     from optimized_stack.tokenizer import IncrementalDecoder, load_tokenizer
 
-    model = load_model(args.model)
+    model = load_model(args.model, **model_load_options(args))
     # A checkpoint directory may carry its own tokenizer_config.json (checked on load); else the byte tokenizer.
     tok_dir = Path(args.model) if args.model is not None and (Path(args.model) / "tokenizer_config.json").is_file() else None
     tok = load_tokenizer(tok_dir)

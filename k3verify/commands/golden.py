@@ -13,7 +13,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from k3verify.commands import add_json_flag, add_model_flag, console, emit_json
+from k3verify.commands import add_json_flag, add_model_flag, console, emit_json, model_load_options
 from k3verify.errors import UsageError
 
 NAME = "golden"
@@ -35,7 +35,7 @@ def run(args) -> int:
     from k3verify import golden_hashes as gh
 
     directory = args.dir or gh.GOLDEN_DIR
-    model = load_model(args.model)
+    model = load_model(args.model, **model_load_options(args))
     con = console()
     key = gh.env_key(gh.numerics_environment(model))
     if args.action in ("record", "update"):

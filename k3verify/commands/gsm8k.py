@@ -20,7 +20,7 @@ from urllib.parse import urlparse
 
 from rich.table import Table
 
-from k3verify.commands import add_json_flag, add_model_flag, console, emit_json, served_model
+from k3verify.commands import add_json_flag, add_model_flag, console, emit_json, model_load_options, served_model
 from k3verify.errors import UsageError
 
 NAME = "gsm8k"
@@ -172,7 +172,7 @@ def run(args) -> int:
     else:
         from optimized_stack import load_model
         from optimized_stack.tokenizer import load_tokenizer
-        model = load_model(args.model)
+        model = load_model(args.model, **model_load_options(args))
         ref_fn = greedy_generate_fn(model, load_tokenizer(args.model))
         where = "embedded " + (args.model or "default model")
     cand_fn = quality.toggled(ref_fn, [args.toggle]) if args.toggle else None

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from k3verify.commands import add_json_flag, add_model_flag, console, emit_json
+from k3verify.commands import add_json_flag, add_model_flag, console, emit_json, model_load_options
 
 NAME = "info"
 HELP = "show a model's config, layer map (K=KDA, M=MLA), parameter counts and checkpoint hash"
@@ -26,9 +26,10 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from optimized_stack import load_model  # torch import is slow; only commands that need it pay
 
-    model = load_model(args.model)
+    model = load_model(args.model, **model_load_options(args))
     source = describe_source(args.model)
     source["loaded"] = getattr(model, "source", None)
+    source["stored_dtype"] = getattr(model, "stored_dtype", None)     # the checkpoint's, before any cast
     cfg = model.config
     params = count_parameters(model)
     layer_map = cfg.layer_map()
@@ -117,6 +118,6 @@ def _source_table(source: dict) -> Table:
     t = Table(title="source")
     t.add_column("field")
     t.add_column("value", overflow="fold")
-    for key in ("kind", "name", "path", "sha256", "loaded"):
+    for key in ("kind", "name", "path", "sha256", "stored_dtype", "loaded"):
         t.add_row(key, "-" if source.get(key) is None else str(source[key]))
     return t

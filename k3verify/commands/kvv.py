@@ -17,7 +17,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from k3verify.commands import add_json_flag, add_model_flag, console, emit_json, served_model
+from k3verify.commands import add_json_flag, add_model_flag, console, emit_json, model_load_options, served_model
 from k3verify.errors import UsageError
 
 NAME = "kvv"
@@ -85,7 +85,7 @@ def run(args) -> int:
                 raise UsageError(f"{flag} must be >= 1, got {value}")
         if args.self_serve:
             from k3verify.serve import ServerThread, build_embedded_app
-            with ServerThread(build_embedded_app(args.model)) as server:
+            with ServerThread(build_embedded_app(args.model, **model_load_options(args))) as server:
                 gate, title = _check_endpoint(args, server.base_url)
         else:
             gate, title = _check_endpoint(args, args.base_url)

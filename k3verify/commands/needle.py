@@ -15,7 +15,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from k3verify.commands import add_json_flag, add_model_flag, console, emit_json
+from k3verify.commands import add_json_flag, add_model_flag, console, emit_json, model_load_options
 from k3verify.errors import UsageError
 
 NAME = "needle"
@@ -101,7 +101,7 @@ def run(args) -> int:
 
     from optimized_stack import load_model
     from optimized_stack.tokenizer import load_tokenizer
-    model = load_model(args.model)
+    model = load_model(args.model, **model_load_options(args))
     tokenizer = load_tokenizer(args.model)
     # the gate makes (and records) the same automatic choice from the same cases
     gate = quality.needle_gate(model, tokenizer, cases, toggle=args.toggle, fast=args.fast,

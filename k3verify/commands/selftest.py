@@ -8,7 +8,7 @@ from pathlib import Path
 from rich.table import Table
 
 from k3verify.commands import (add_device_flag, add_json_flag, add_model_flag, console, emit_json,
-                               requested_device)
+                               model_load_options, requested_device)
 
 NAME = "selftest"
 HELP = "run every toggle and every seeded-fault mutant; exit 0 only if all mutants are caught"
@@ -29,7 +29,7 @@ def run(args) -> int:
     from k3verify.selftest import run_selftest
 
     device = requested_device(args)
-    model = load_model(args.model, device=device)
+    model = load_model(args.model, device=device, **model_load_options(args))
     results = run_selftest(model, scale=args.scale, device=device, progress=lambda m: print(f"  selftest {m}", file=sys.stderr))
     run_id, default_dir = verify.default_report_dir("selftest")
     report, paths = verify.write(args.report_dir or default_dir, run_id, "k3verify " + " ".join(sys.argv[1:]),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from k3verify.commands import add_model_flag
+from k3verify.commands import add_model_flag, model_load_options
 from k3verify.errors import UsageError
 
 NAME = "serve"
@@ -60,4 +60,4 @@ def run(args) -> int:
         for field, (flag, _) in FLAGS.items():
             message = re.sub(rf"\b{field}\b", flag, message)
         raise UsageError(message) from None
-    return serve_main(args.model, host=args.host, port=args.port, limits=limits)
+    return serve_main(args.model, host=args.host, port=args.port, limits=limits, **model_load_options(args))

@@ -126,9 +126,11 @@ def numerics_libraries() -> dict[str, Any]:
 
 
 def model_fingerprint(model: Any) -> dict[str, Any]:
-    """source (model.source), sha256 of its model.safetensors when the source is a directory, dtype."""
+    """source (model.source), sha256 of its model.safetensors when the source is a directory, dtype
+    (as run) and stored_dtype (as the checkpoint stores it: model.stored_dtype, None for a preset)."""
     source = getattr(model, "source", None)
-    out: dict[str, Any] = {"source": None if source is None else str(source), "sha256": None, "dtype": None}
+    out: dict[str, Any] = {"source": None if source is None else str(source), "sha256": None, "dtype": None,
+                           "stored_dtype": getattr(model, "stored_dtype", None)}
     if source is not None:
         path = Path(source)
         weights = path / "model.safetensors" if path.is_dir() else path
