@@ -186,22 +186,19 @@ def _findings_for(check: str, first: dict, ref: Capture, cand: Capture) -> list[
     return []
 
 
-def _nonfinite_findings(verdict: dict) -> list[dict]:
-    nf = verdict.get("nonfinite")
-    return [] if nf is None else [{"what": "nonfinite", "message": nf["reason"], "sides": nf["sides"],
-                                   **nf["first"]}]
+def _nonfinite_finding(nf: dict) -> dict:
+    return {"what": "nonfinite", "message": nf["reason"], "sides": nf["sides"], **nf["first"]}
 
 
 def _drift_refused(ref: Capture, cand: Capture, scenario: str) -> tuple[str, list[dict], dict] | None:
     """A drift budget cannot judge NaN / inf (KL of NaN compares as nothing) or a stopped run:
-    (reason, findings, first location) of every such item, or None."""
-    bad = [nf for c, nf in sorted(first_per_check(ref, cand, scenario).items(), key=lambda kv: EXACT_CHECKS.index(kv[0]))]
+    (reason, findings, first location) over every such item (logits, kda, mla order), or None."""
+    bad = list(first_per_check(ref, cand, scenario).values())
     stop = _stopped(ref, cand, scenario)
     bad += [stop] if stop else []
     if not bad:
         return None
-    findings = [f for nf in bad for f in _nonfinite_findings({"nonfinite": nf})]
-    return "; ".join(nf["reason"] for nf in bad), findings, bad[0]["first"]
+    return "; ".join(nf["reason"] for nf in bad), [_nonfinite_finding(nf) for nf in bad], bad[0]["first"]
 
 
 def _drift(ref: Capture, cand: Capture, contract) -> tuple[bool, str, list[dict], dict]:
@@ -344,7 +341,8 @@ def check_toggle(model, toggle_name: str, scenario, *, localize_failures: bool =
             results.append(CheckResult(check=check, status="pass", duration_s=duration,
                                        reason=f"bit-identical ({v['compared']} compared)", **base))
             continue
-        findings = _nonfinite_findings(v) or _findings_for(check, v["first"], ref, cand)
+        findings = ([_nonfinite_finding(v["nonfinite"])] if v["nonfinite"]
+                    else _findings_for(check, v["first"], ref, cand))
         if loc is None and localize_failures:
             loc = _localize(model, toggle.name, scenario, ref, first=state_first)
         results.append(CheckResult(check=check, status="fail", reason=v["reason"], findings=findings,

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-# which exact check owns which captured tensors
-CHECK_OF = {"logits": "logits", "kda": "kda_state", "mla": "mla_rows"}
+# the exact checks that own captured tensors (logits rows, KDA state points, MLA rows)
+CHECKS = ("logits", "kda_state", "mla_rows")
 SIDES = ("reference", "candidate")
 _KDA_ORDER = ("recurrent", "conv_q", "conv_k", "conv_v")      # capture.KDA_TENSORS
 
@@ -56,7 +56,8 @@ def first_nonfinite(t: torch.Tensor, *, allow_neg_inf: bool = False) -> NonFinit
     The finite case costs one reduction: a float sum is finite only if every term is (NaN
     and inf propagate through any summation order), and a sum of finite terms that
     overflows falls through to the exact search. `isfinite(t).all()` gives the same answer
-    at 2-4x the cost on the capture's small tensors (NOTES.md, 2026-12 capture overhead).
+    at 3-4x the cost on the capture's small tensors and 50x on a K3-vocab row (measured on
+    the 2-core dev CPU, one thread: [4,16,16] 22.6 vs 6.1 us, [163840] 1278 vs 23 us).
     `allow_neg_inf` accepts -inf as a value (a masked token's log-probability) and
     reports NaN and +inf only. Integer and bool tensors are always finite.
     """
@@ -87,64 +88,60 @@ def _location(nf: NonFinite, rid: str, **where: Any) -> dict[str, Any]:
             "index_tuple": list(nf.index_tuple), "count": nf.count}
 
 
+def _kda_order(key: tuple[int, str]) -> tuple[int, int]:
+    layer, name = key
+    return layer, _KDA_ORDER.index(name) if name in _KDA_ORDER else len(_KDA_ORDER)
+
+
 def request_firsts(rc) -> dict[str, tuple[tuple, dict[str, Any], str]]:
     """check -> (order key, location, message without the side) of the first non-finite
     item in one request's capture (a capture.RequestCapture). Order keys compare within a
-    check: position; (tokens, layer, tensor); (layer, index)."""
+    check: (position,); (tokens, layer, tensor); (layer, flat index)."""
     out: dict[str, tuple[tuple, dict[str, Any], str]] = {}
     rid = rc.request_id
-    for p in sorted(rc.logits):
-        nf = rc.logits[p].nonfinite
-        if nf is not None:
-            loc = _location(nf, rid, position=p, step=p - rc.prompt_len + 1, tensor="logits")
-            out["logits"] = ((p,), loc, f"non-finite ({nf.kind}) in logits of {rid} at position {p}, "
-                                        f"vocab index {nf.index}")
-            break
-    for n in sorted(rc.kda):
-        point = rc.kda[n]
-        hit = next(((key, point[key].nonfinite) for key in
-                    sorted(point, key=lambda k: (k[0], _KDA_ORDER.index(k[1]) if k[1] in _KDA_ORDER else 9))
-                    if point[key].nonfinite is not None), None)
-        if hit is not None:
-            (layer, name), nf = hit
-            loc = _location(nf, rid, num_tokens=n, step=n - rc.prompt_len, tensor=name, layer=layer)
-            out["kda_state"] = ((n, layer, _KDA_ORDER.index(name) if name in _KDA_ORDER else 9), loc,
-                                f"non-finite ({nf.kind}) in KDA layer {layer} {name} of {rid} after {n} "
-                                f"tokens, index {tuple(nf.index_tuple)}")
-            break
-    for layer in sorted(rc.mla):
-        nf = rc.mla[layer].nonfinite
-        if nf is not None:
-            row = nf.index_tuple[0] if nf.index_tuple else 0
-            loc = _location(nf, rid, position=row, tensor="mla_rows", layer=layer)
-            out["mla_rows"] = ((layer, nf.index), loc,
-                               f"non-finite ({nf.kind}) in MLA layer {layer} cache rows of {rid} at row "
-                               f"{row}, index {tuple(nf.index_tuple)}")
-            break
+    bad_logits = [(p, rc.logits[p].nonfinite) for p in sorted(rc.logits) if rc.logits[p].nonfinite]
+    if bad_logits:
+        p, nf = bad_logits[0]
+        out["logits"] = ((p,), _location(nf, rid, position=p, step=p - rc.prompt_len + 1, tensor="logits"),
+                         f"non-finite ({nf.kind}) in logits of {rid} at position {p}, vocab index {nf.index}")
+    bad_kda = [(n, key, rc.kda[n][key].nonfinite) for n in sorted(rc.kda)
+               for key in sorted(rc.kda[n], key=_kda_order) if rc.kda[n][key].nonfinite]
+    if bad_kda:
+        n, (layer, name), nf = bad_kda[0]
+        out["kda_state"] = ((n, *_kda_order((layer, name))),
+                            _location(nf, rid, num_tokens=n, step=n - rc.prompt_len, tensor=name, layer=layer),
+                            f"non-finite ({nf.kind}) in KDA layer {layer} {name} of {rid} after {n} tokens, "
+                            f"index {nf.index_tuple}")
+    bad_mla = [(layer, rc.mla[layer].nonfinite) for layer in sorted(rc.mla) if rc.mla[layer].nonfinite]
+    if bad_mla:
+        layer, nf = bad_mla[0]
+        row = nf.index_tuple[0]                                  # rows [S, R]: the row is the position
+        out["mla_rows"] = ((layer, nf.index), _location(nf, rid, position=row, tensor="mla_rows", layer=layer),
+                           f"non-finite ({nf.kind}) in MLA layer {layer} cache rows of {rid} at row {row}, "
+                           f"index {nf.index_tuple}")
     return out
 
 
 def first_per_check(ref, cand, scenario: str) -> dict[str, dict[str, Any]]:
-    """check -> {"reason", "first", "sides"} for the first non-finite item of either capture
-    (capture.Capture). Requests in the reference's order, then the candidate's own; in a
-    request the earlier location wins, and equal locations on both sides say so."""
+    """check -> {"reason", "sides", "first"} for the first non-finite item of either capture
+    (capture.Capture), in CHECKS order. Requests in the reference's order, then the
+    candidate's own; in a request the earlier location wins, and the same location on both
+    sides says so."""
     rids = list(ref.requests) + [r for r in cand.requests if r not in ref.requests]
     out: dict[str, dict[str, Any]] = {}
     for rid in rids:
-        per_side = {side: request_firsts(cap.requests[rid]) for side, cap in zip(SIDES, (ref, cand))
-                    if rid in cap.requests}
-        for check in CHECK_OF.values():
-            if check in out:
+        firsts = {side: request_firsts(cap.requests[rid]) for side, cap in zip(SIDES, (ref, cand))
+                  if rid in cap.requests}
+        for check in CHECKS:
+            hits = {side: f[check] for side, f in firsts.items() if check in f}
+            if check in out or not hits:
                 continue
-            hits = [(hit[0], side, hit) for side, firsts in per_side.items() if (hit := firsts.get(check))]
-            if not hits:
-                continue
-            key = min(h[0] for h in hits)
-            sides = tuple(side for k, side, _ in hits if k == key)
-            _, loc, text = next(h for k, _, h in hits if k == key)
+            key = min(hit[0] for hit in hits.values())
+            sides = tuple(side for side, hit in hits.items() if hit[0] == key)
+            _, loc, text = hits[sides[0]]
             out[check] = {"reason": f"{text} {side_text(sides)}", "sides": list(sides),
                           "first": {"scenario": scenario, **loc, "side": "+".join(sides)}}
-    return out
+    return {c: out[c] for c in CHECKS if c in out}
 
 
 def stopped_request(cap) -> str | None:
