@@ -75,18 +75,19 @@ def component(model, layer: int, sublayer: str) -> str:
 
 def localize_request(model, toggle_name: str, ids: list[int], *, request_id: str = "",
                      state_first: dict | None = None) -> dict[str, Any]:
-    """First differing (layer, sublayer) between reference and `toggle_name` on `ids`."""
+    """First differing (layer, sublayer) between reference and `toggle_name` on `ids`, or,
+    when either replay holds NaN / inf, the first sublayer whose output does."""
     ids_t = torch.tensor(ids, dtype=torch.long)
     order, ref = _record(model, _feed(model, ids_t, {}))
     ref_nf = _first_nonfinite_probe(model, order, ref)
     with toggle_registry.applied([toggle_name]) as applied:
         if applied.engine:
             out = _state_only(model, state_first, "engine toggle: replayed by state check only")
-            return _nonfinite_first(model, order, out, ref_nf, None, request_id, len(ids))
+            return _nonfinite_first(order, out, ref_nf, None, request_id, len(ids))
         cand_order, cand = _record(model, _feed(model, ids_t, applied.runner))
     cand_nf = _first_nonfinite_probe(model, cand_order, cand)
     out = _first_difference(model, order, ref, cand, request_id, len(ids), state_first)
-    return _nonfinite_first(model, order, out, ref_nf, cand_nf, request_id, len(ids))
+    return _nonfinite_first(order, out, ref_nf, cand_nf, request_id, len(ids))
 
 
 def _first_difference(model, order, ref, cand, request_id: str, n_ids: int, state_first) -> dict[str, Any]:
@@ -109,38 +110,36 @@ def _first_difference(model, order, ref, cand, request_id: str, n_ids: int, stat
     return _state_only(model, state_first, "no sublayer output differs on a single-request replay")
 
 
-def _first_nonfinite_probe(model, order, rows) -> tuple[int, dict[str, Any]] | None:
-    """(rank in execution order, location) of the first sublayer output holding NaN / inf."""
-    for rank, (layer, name) in enumerate(order):
+def _first_nonfinite_probe(model, order, rows) -> dict[str, Any] | None:
+    """Where the first sublayer output (in execution order) holding NaN / inf is."""
+    for layer, name in order:
         t = rows.get((layer, name))
         nf = None if t is None else first_nonfinite(t)
         if nf is not None:
-            return rank, {"layer": layer, "sublayer": name,
-                          "layer_kind": model.config.layer_kinds[layer] if layer >= 0 else None,
-                          "component": component(model, layer, name),
-                          "first_position": nf.index_tuple[0] if t.dim() >= 2 else None,   # rows are [T, ...]
-                          "nonfinite": nf.kind, "index": nf.index, "index_tuple": list(nf.index_tuple),
-                          "count": nf.count}
+            return {"layer": layer, "sublayer": name,
+                    "layer_kind": model.config.layer_kinds[layer] if layer >= 0 else None,
+                    "component": component(model, layer, name),
+                    "first_position": nf.index_tuple[0] if t.dim() >= 2 else None,   # rows are [T, ...]
+                    "nonfinite": nf.kind, "index": nf.index, "index_tuple": list(nf.index_tuple),
+                    "count": nf.count}
     return None
 
 
-def _nonfinite_first(model, order, out: dict[str, Any], ref_nf, cand_nf, request_id: str,
-                     n_ids: int) -> dict[str, Any]:
-    """A non-finite sublayer output outranks a bitwise difference: name the earliest (in the
-    reference's execution order; the same sublayer on both sides says so)."""
-    hits = []
-    for side, hit in (("reference", ref_nf), ("candidate", cand_nf)):
-        if hit is not None:
-            rank = order.index((hit[1]["layer"], hit[1]["sublayer"])) if (hit[1]["layer"], hit[1]["sublayer"]) in order else hit[0]
-            hits.append((rank, side, hit[1]))
+def _nonfinite_first(order, out: dict[str, Any], ref_nf, cand_nf, request_id: str, n_ids: int) -> dict[str, Any]:
+    """A non-finite sublayer output outranks a bitwise difference: name the earliest in the
+    reference's execution order (the same sublayer on both sides says so)."""
+    def rank(loc: dict[str, Any]) -> int:
+        key = (loc["layer"], loc["sublayer"])
+        return order.index(key) if key in order else len(order)
+    hits = {side: loc for side, loc in (("reference", ref_nf), ("candidate", cand_nf)) if loc is not None}
     if not hits:
         return out
-    best = min(h[0] for h in hits)
-    sides = [side for rank, side, _ in hits if rank == best]
-    loc = next(h[2] for h in hits if h[0] == best)
+    best = min(rank(loc) for loc in hits.values())
+    sides = tuple(side for side, loc in hits.items() if rank(loc) == best)
+    loc = hits[sides[0]]
     return {"request": request_id, **loc, "side": "+".join(sides), "tokens_replayed": n_ids,
             "reason": f"first sublayer whose output is non-finite ({loc['nonfinite']}): layer {loc['layer']} "
-                      f"{loc['sublayer']} at position {loc['first_position']} {side_text(tuple(sides))}",
+                      f"{loc['sublayer']} at position {loc['first_position']} {side_text(sides)}",
             "first_difference": out}
 
 

@@ -92,6 +92,15 @@ def test_localisation_names_the_candidate_side(model, small):
     assert loc["first_difference"]["component"] == "moe/ffn", "here the bits differ too"
 
 
+def test_engine_toggle_localisation_still_names_the_nonfinite_sublayer(model, small):
+    """Engine toggles are replayed by the state check only; the reference replay still runs."""
+    w = model.get_parameter("model.layers.3.self_attn.o_proj.weight")
+    with poisoned_weight(w, (0, 0), "nan"):
+        loc = localize_request(model, "continuous_batching", list(small.requests[0].prompt_ids), request_id="r0")
+    assert (loc["component"], loc["side"]) == ("mla/mixer", "reference")
+    assert loc["first_difference"]["note"] == "engine toggle: replayed by state check only"
+
+
 def test_gate_failure_carries_the_nonfinite_localisation(model, small):
     w = model.get_parameter("model.layers.1.block_sparse_moe.shared_experts.down_proj.weight")
     with poisoned_weight(w, (0, 0), "nan"):
