@@ -140,7 +140,8 @@ class Capture:
                 marks = nf.get("kda", {}).get(n, {})
                 rc.kda[int(n)] = {(int(k.split(":")[0]), k.split(":")[1]): Item(d, nonfinite=_nf(marks.get(k)))
                                   for k, d in pt.items()}
-            rc.mla = {int(layer): Item(d, nonfinite=_nf(nf.get("mla", {}).get(layer))) for layer, d in r["mla"].items()}
+            rc.mla = {int(layer): Item(d, nonfinite=_nf(nf.get("mla", {}).get(layer)))
+                      for layer, d in r["mla"].items()}
         return cap
 
 

@@ -167,6 +167,7 @@ def test_cli_diff_on_nan_weights_exits_1_with_the_location(model, monkeypatch, t
     report = json.loads((tmp_path / "report.json").read_text())
     logits = next(r for r in report["results"] if r["check"] == "logits")
     assert logits["status"] == "fail"
-    assert logits["reason"] == "non-finite (nan) in logits of r0 at position 0, vocab index 3 (reference and candidate sides)"
+    assert logits["reason"] == ("non-finite (nan) in logits of r0 at position 0, vocab index 3 "
+                                "(reference and candidate sides)")
     assert logits["localization"]["component"] == "head/logits"
     assert logits["reason"] in (tmp_path / "report.md").read_text()

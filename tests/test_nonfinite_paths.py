@@ -142,6 +142,9 @@ def test_tp_captures_fail_on_nonfinite(model, small, kind):
 
 
 # ---- vLLM logprobs ------------------------------------------------------------------------
+MASKING = "processed_logprobs"        # vLLM's logprobs after the masking logits processors
+
+
 def _vllm_capture(rows: torch.Tensor, mode: str = "raw_logprobs") -> dict:
     return {"settings": {"logprobs_mode": mode},
             "requests": [{"prompt_ids": [1, 2], "tokens": [0, 0, 0], "logprobs": torch.full((3, 8), -2.0)},
@@ -162,24 +165,27 @@ def test_vllm_nonfinite_logprobs_fail(kind, side):
     ref, cand = (bad, good) if side == "reference" else (good, bad)
     summary, _ = vb.compare_captures(ref, cand)
     assert not summary.passed
-    assert summary.nonfinite["reason"] == f"non-finite ({kind}) in logprobs of request 1 at step 2, vocab index 5 ({side} side)"
+    assert summary.nonfinite["reason"] == (f"non-finite ({kind}) in logprobs of request 1 at step 2, "
+                                           f"vocab index 5 ({side} side)")
 
 
 def test_vllm_identical_nan_is_bitwise_equal_but_fails():
-    summary, _ = vb.compare_captures(_vllm_capture(_rows(at={(1, 4): math.nan})), _vllm_capture(_rows(at={(1, 4): math.nan})))
+    nan = _rows(at={(1, 4): math.nan})
+    summary, _ = vb.compare_captures(_vllm_capture(nan), _vllm_capture(nan.clone()))
     assert summary.bitwise_equal, "negative control: the old verdict (bitwise) passes it"
     assert not summary.passed and summary.nonfinite["sides"] == ["reference", "candidate"]
 
 
 def test_vllm_masked_minus_inf_passes_only_where_vllm_masks():
     masked = _rows(at={(0, 1): -math.inf, (1, 1): -math.inf})
-    summary, _ = vb.compare_captures(_vllm_capture(masked, "processed_logprobs"), _vllm_capture(masked, "processed_logprobs"))
+    summary, _ = vb.compare_captures(_vllm_capture(masked, MASKING), _vllm_capture(masked, MASKING))
     assert summary.passed and summary.nonfinite is None, "processed logprobs: masked tokens are -inf"
     summary, _ = vb.compare_captures(_vllm_capture(masked), _vllm_capture(masked))
     assert not summary.passed, "raw logprobs are log_softmax of finite logits: -inf is the model's own"
     empty = _rows(at={(1, i): -math.inf for i in range(8)})
-    summary, _ = vb.compare_captures(_vllm_capture(empty, "processed_logprobs"), _vllm_capture(empty, "processed_logprobs"))
-    assert summary.nonfinite["reason"].startswith("non-finite (-inf) in logprobs of request 1 at step 1, vocab index 0")
+    summary, _ = vb.compare_captures(_vllm_capture(empty, MASKING), _vllm_capture(empty, MASKING))
+    assert summary.nonfinite["reason"].startswith("non-finite (-inf) in logprobs of request 1 at step 1, "
+                                                  "vocab index 0"), "a row with nothing finite is no distribution"
 
 
 def test_vllm_diff_reports_the_location(tmp_path, monkeypatch):
@@ -189,5 +195,6 @@ def test_vllm_diff_reports_the_location(tmp_path, monkeypatch):
     monkeypatch.setattr(vb, "run_vllm_pair", lambda *a, **k: (bad, bad))
     [res] = vllm_diff.judge_vllm(tmp_path, ["rerun"])
     assert res["status"] == "fail"
-    assert res["reason"] == "non-finite (inf) in logprobs of request 1 at step 0, vocab index 2 (reference and candidate sides)"
+    assert res["reason"] == ("non-finite (inf) in logprobs of request 1 at step 0, vocab index 2 "
+                             "(reference and candidate sides)")
     assert res["first_divergence"] == {"request": 1, "step": 0, "tensor": "logprobs", "side": "reference+candidate"}
