@@ -3,7 +3,9 @@
 Each repeat runs the reference then the candidate (order alternates every repeat to
 cancel drift), on the same workload in one process, after a warm-up pair that is not
 timed. The speedup is the geometric mean of per-pair ratios ref_time / cand_time with a
-95% t-interval on the log ratios.
+95% t-interval on the log ratios. A contract that failed on non-finite numbers (NaN / inf
+in either run, or a run the sampler stopped) is not timed at all: a stopped run is shorter
+than the workload, so its time would be a fake speedup, and it is never counted.
 """
 from __future__ import annotations
 
@@ -105,6 +107,12 @@ def bench_toggle(model, toggle: str, *, workload_name: str = "decode", scale: fl
                 "why": f"contract not checked: {skipped[0].reason}", "a": "reference", "b": toggle,
                 "ratio": None, "ci95": None, "checks": [{"check": r.check, "status": r.status,
                                                          "reason": r.reason} for r in results]}
+    nonfinite = next((r for r in failed if r.evidence.get("nonfinite")), None)
+    if nonfinite is not None:
+        return {"toggle": toggle, "workload": workload_name, "scenario": sc.name, "counted": False,
+                "why": f"contract failed on {sc.name}: {nonfinite.check}: {nonfinite.reason}; not timed "
+                       f"(non-finite numbers)", "a": "reference", "b": toggle, "ratio": None, "ci95": None,
+                "checks": [{"check": r.check, "status": r.status, "reason": r.reason} for r in results]}
     ab = interleaved(lambda: run_scenario(model, sc), lambda: run_scenario(model, sc, (toggle,)),
                      repeats=repeats, tokens=scenario_tokens(sc), labels=("reference", toggle))
     if failed:

@@ -428,7 +428,10 @@ def first_divergence(ref_tokens: Sequence[int] | torch.Tensor, cand_tokens: Sequ
 
 
 def hash_tensor(t: torch.Tensor) -> str:
-    """'dtype[shape]:hex' over the raw bytes; equal hashes mean bitwise-equal tensors."""
+    """'dtype[shape]:hex' over the raw bytes; equal hashes mean bitwise-equal tensors.
+
+    Equal hashes say nothing about finiteness: a NaN row hashes alike on both sides of a
+    comparison. k3verify.nonfinite is the check for that, recorded beside every hash."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"hash_tensor needs a torch.Tensor, got {type(t).__name__}")
     flat = t.detach().cpu().contiguous().reshape(-1)

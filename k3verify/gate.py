@@ -13,7 +13,11 @@ max KL, top-1 agreement and max ULP of every logit row against the declared budg
 KDA state drift is reported as evidence.
 
 Every numeric finding comes from k3verify.compare; hashes decide equality, and a
-mismatch is re-run with tensors kept to produce the ULP / KL figures.
+mismatch is re-run with tensors kept to produce the ULP / KL figures. Hashes cannot see
+NaN / inf (a NaN row hashes alike on both sides, and KL of NaN compares as nothing), so
+first of all, in every check kind, a non-finite item recorded by either capture fails the
+check that owns it with its location (k3verify.nonfinite), and a run the sampler stopped
+fails `tokens`.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from optimized_stack import toggles as toggle_registry
 
 from .capture import Capture, RequestCapture
 from .compare import compare_logits, compare_tensors, first_divergence
+from .nonfinite import SIDES, first_per_check, stopped_request
 from .runner import run_scenario
 
 EXACT_CHECKS = ("tokens", "logits", "kda_state", "mla_rows")
@@ -69,15 +74,36 @@ def _logit_positions(ref: RequestCapture, cand: RequestCapture) -> tuple[list[in
     return common, missing
 
 
+def _stopped(ref: Capture, cand: Capture, scenario: str) -> dict | None:
+    """{"reason", "sides", "first"} when the sampler stopped either run (a NaN / +inf row)."""
+    stopped = [(side, cap) for side, cap in zip(SIDES, (ref, cand)) if cap.stopped]
+    if not stopped:
+        return None
+    side, cap = stopped[0]
+    rid = stopped_request(cap)
+    sides = [s for s, c in stopped if stopped_request(c) == rid and c.stopped == cap.stopped]
+    reason = f"{' and '.join(sides)} run{'s' * (len(sides) > 1)} stopped in request {rid}: {cap.stopped}"
+    return {"reason": reason, "sides": sides,
+            "first": {"scenario": scenario, "request": rid, "tensor": "tokens", "side": "+".join(sides)}}
+
+
 def compare_captures(ref: Capture, cand: Capture, scenario: str) -> dict[str, dict]:
-    """Per check: {'equal': bool, 'reason': str, 'first': {...} | None, 'mismatches': [...]}."""
-    out: dict[str, dict] = {c: {"equal": True, "reason": "", "first": None, "compared": 0}
+    """Per check: {'equal': bool, 'reason': str, 'first': {...} | None, 'compared': int,
+    'nonfinite': {'reason', 'sides', 'first'} | None}; non-finite items and stopped runs first."""
+    out: dict[str, dict] = {c: {"equal": True, "reason": "", "first": None, "compared": 0, "nonfinite": None}
                             for c in EXACT_CHECKS}
 
     def fail(check: str, reason: str, first: dict) -> None:
         if out[check]["equal"]:
             out[check].update(equal=False, reason=reason, first={"scenario": scenario, **first})
 
+    for check, nf in first_per_check(ref, cand, scenario).items():
+        fail(check, nf["reason"], nf["first"])
+        out[check]["nonfinite"] = nf
+    stop = _stopped(ref, cand, scenario)
+    if stop is not None:
+        fail("tokens", stop["reason"], stop["first"])
+        out["tokens"]["nonfinite"] = stop
     missing_reqs = sorted(set(ref.requests) - set(cand.requests))
     for rid in missing_reqs:
         fail("tokens", f"request {rid} missing from the candidate run", {"request": rid})
@@ -158,6 +184,21 @@ def _findings_for(check: str, first: dict, ref: Capture, cand: Capture) -> list[
         f = compare_tensors(a, b, label=f"mla[{rid}] layer {layer} rows")
         return [{**f.to_dict(), "message": f.message()}]
     return []
+
+
+def _nonfinite_finding(nf: dict) -> dict:
+    return {"what": "nonfinite", "message": nf["reason"], "sides": nf["sides"], **nf["first"]}
+
+
+def _drift_refused(ref: Capture, cand: Capture, scenario: str) -> tuple[str, list[dict], dict] | None:
+    """A drift budget cannot judge NaN / inf (KL of NaN compares as nothing) or a stopped run:
+    (reason, findings, first location) over every such item (logits, kda, mla order), or None."""
+    bad = list(first_per_check(ref, cand, scenario).values())
+    stop = _stopped(ref, cand, scenario)
+    bad += [stop] if stop else []
+    if not bad:
+        return None
+    return "; ".join(nf["reason"] for nf in bad), [_nonfinite_finding(nf) for nf in bad], bad[0]["first"]
 
 
 def _drift(ref: Capture, cand: Capture, contract) -> tuple[bool, str, list[dict], dict]:
@@ -268,11 +309,18 @@ def check_toggle(model, toggle_name: str, scenario, *, localize_failures: bool =
     if contract.kind == "approx":
         force = {rid: rc.tokens for rid, rc in ref.requests.items()}
         cand = references.run(scenario, (toggle.name,), keep=True, force=force)
-        ok, reason, findings, evidence = _drift(ref, cand, contract)
+        refused = _drift_refused(ref, cand, scenario.name)
+        if refused:
+            reason, findings = refused[0], refused[1]
+            ok, first, evidence = False, refused[2], {"nonfinite": refused[2]}
+        else:
+            ok, reason, findings, evidence = _drift(ref, cand, contract)
+            first = None
         res = CheckResult(check="drift_budget", status="pass" if ok else "fail", reason=reason,
-                          findings=findings, evidence=evidence, duration_s=time.perf_counter() - t0, **base)
+                          findings=findings, evidence=evidence, first_divergence=first,
+                          duration_s=time.perf_counter() - t0, **base)
         if not ok and localize_failures:
-            res.localization = _localize(model, toggle.name, scenario, ref)
+            res.localization = _localize(model, toggle.name, scenario, ref, first=first)
         return [res]
     cand = references.run(scenario, (toggle.name,))
     verdicts = compare_captures(ref, cand, scenario.name)
@@ -293,12 +341,13 @@ def check_toggle(model, toggle_name: str, scenario, *, localize_failures: bool =
             results.append(CheckResult(check=check, status="pass", duration_s=duration,
                                        reason=f"bit-identical ({v['compared']} compared)", **base))
             continue
-        findings = _findings_for(check, v["first"], ref, cand)
+        findings = ([_nonfinite_finding(v["nonfinite"])] if v["nonfinite"]
+                    else _findings_for(check, v["first"], ref, cand))
         if loc is None and localize_failures:
             loc = _localize(model, toggle.name, scenario, ref, first=state_first)
         results.append(CheckResult(check=check, status="fail", reason=v["reason"], findings=findings,
                                    first_divergence=v["first"], localization=loc, duration_s=duration,
-                                   **base))
+                                   evidence={"nonfinite": v["first"]} if v["nonfinite"] else {}, **base))
     return results
 
 

@@ -9,6 +9,12 @@ is execution order, so the first differing entry is where the fault entered.
 Components name where a fault lives: "kda/mixer", "mla/mixer", "moe/ffn", "mlp/ffn",
 "attn_res/attn_in", "attn_res/mlp_in", "attn_res/final_in", "norm/final_norm",
 "head/logits", and from the state check "kda/conv" or "kda/recurrent".
+
+Non-finite numbers come first: when either replay has a sublayer output holding NaN or
+inf, the localisation names the first such sublayer (nothing before it is non-finite, so
+that is where the NaN / inf entered), with the side, value and position; the first bitwise
+difference, if any, stays under "first_difference". Equality is by bits (two NaNs with the
+same bits are equal, as a hash sees them), not torch.equal's NaN != NaN.
 """
 from __future__ import annotations
 
@@ -18,7 +24,8 @@ import torch
 
 from optimized_stack import toggles as toggle_registry
 
-from .compare import compare_tensors
+from .compare import compare_tensors, hash_tensor
+from .nonfinite import first_nonfinite, side_text
 from .runner import _roundtrip
 
 
@@ -68,30 +75,72 @@ def component(model, layer: int, sublayer: str) -> str:
 
 def localize_request(model, toggle_name: str, ids: list[int], *, request_id: str = "",
                      state_first: dict | None = None) -> dict[str, Any]:
-    """First differing (layer, sublayer) between reference and `toggle_name` on `ids`."""
+    """First differing (layer, sublayer) between reference and `toggle_name` on `ids`, or,
+    when either replay holds NaN / inf, the first sublayer whose output does."""
     ids_t = torch.tensor(ids, dtype=torch.long)
     order, ref = _record(model, _feed(model, ids_t, {}))
+    ref_nf = _first_nonfinite_probe(model, order, ref)
     with toggle_registry.applied([toggle_name]) as applied:
         if applied.engine:
-            return _state_only(model, state_first, "engine toggle: replayed by state check only")
-        _, cand = _record(model, _feed(model, ids_t, applied.runner))
+            out = _state_only(model, state_first, "engine toggle: replayed by state check only")
+            return _nonfinite_first(order, out, ref_nf, None, request_id, len(ids))
+        cand_order, cand = _record(model, _feed(model, ids_t, applied.runner))
+    cand_nf = _first_nonfinite_probe(model, cand_order, cand)
+    out = _first_difference(model, order, ref, cand, request_id, len(ids), state_first)
+    return _nonfinite_first(order, out, ref_nf, cand_nf, request_id, len(ids))
+
+
+def _first_difference(model, order, ref, cand, request_id: str, n_ids: int, state_first) -> dict[str, Any]:
     for layer, name in order:
         a, b = ref[(layer, name)], cand.get((layer, name))
-        if b is None or not torch.equal(a, b):
+        if b is None or hash_tensor(a) != hash_tensor(b):
             f = compare_tensors(a, b, label=f"layer {layer} {name}") if b is not None else None
-            diff_rows = (a != b).reshape(a.shape[0], -1).any(-1).nonzero() if b is not None and a.shape == b.shape else None
+            first_pos = f.first_index_tuple[0] if f is not None and f.first_index_tuple else None
             out = {"request": request_id, "layer": layer, "sublayer": name,
                    "layer_kind": model.config.layer_kinds[layer] if layer >= 0 else None,
                    "component": component(model, layer, name),
-                   "first_position": int(diff_rows[0]) if diff_rows is not None and diff_rows.numel() else None,
+                   "first_position": first_pos,
                    "max_abs": f.max_abs if f else None, "max_ulp": f.max_ulp if f else None,
-                   "tokens_replayed": len(ids)}
+                   "tokens_replayed": n_ids}
             state = _state_component(state_first)
             if state and state["layer"] == layer and name == "mixer":
                 # the state check saw which state tensor went wrong first: that is finer
                 out["component"], out["state"] = state["component"], state
             return out
     return _state_only(model, state_first, "no sublayer output differs on a single-request replay")
+
+
+def _first_nonfinite_probe(model, order, rows) -> dict[str, Any] | None:
+    """Where the first sublayer output (in execution order) holding NaN / inf is."""
+    for layer, name in order:
+        t = rows.get((layer, name))
+        nf = None if t is None else first_nonfinite(t)
+        if nf is not None:
+            return {"layer": layer, "sublayer": name,
+                    "layer_kind": model.config.layer_kinds[layer] if layer >= 0 else None,
+                    "component": component(model, layer, name),
+                    "first_position": nf.index_tuple[0] if t.dim() >= 2 else None,   # rows are [T, ...]
+                    "nonfinite": nf.kind, "index": nf.index, "index_tuple": list(nf.index_tuple),
+                    "count": nf.count}
+    return None
+
+
+def _nonfinite_first(order, out: dict[str, Any], ref_nf, cand_nf, request_id: str, n_ids: int) -> dict[str, Any]:
+    """A non-finite sublayer output outranks a bitwise difference: name the earliest in the
+    reference's execution order (the same sublayer on both sides says so)."""
+    def rank(loc: dict[str, Any]) -> int:
+        key = (loc["layer"], loc["sublayer"])
+        return order.index(key) if key in order else len(order)
+    hits = {side: loc for side, loc in (("reference", ref_nf), ("candidate", cand_nf)) if loc is not None}
+    if not hits:
+        return out
+    best = min(rank(loc) for loc in hits.values())
+    sides = tuple(side for side, loc in hits.items() if rank(loc) == best)
+    loc = hits[sides[0]]
+    return {"request": request_id, **loc, "side": "+".join(sides), "tokens_replayed": n_ids,
+            "reason": f"first sublayer whose output is non-finite ({loc['nonfinite']}): layer {loc['layer']} "
+                      f"{loc['sublayer']} at position {loc['first_position']} {side_text(sides)}",
+            "first_difference": out}
 
 
 def _state_component(first: dict | None) -> dict | None:

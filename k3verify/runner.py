@@ -20,7 +20,7 @@ from safetensors.torch import load, save
 
 from optimized_stack import toggles as toggle_registry
 from optimized_stack.engine.options import SamplingParams
-from optimized_stack.engine.sampler import Sampler
+from optimized_stack.engine.sampler import NonFiniteLogits, Sampler
 from optimized_stack.model.model import RequestState
 
 from .capture import Capture
@@ -44,10 +44,15 @@ def run_scenario(model, scenario, toggle_names: tuple[str, ...] | list[str] = ()
         unknown = set(applied.runner) - RUNNER_OPTIONS
         if unknown:
             raise ValueError(f"unknown runner option {sorted(unknown)[0]!r}; known: {sorted(RUNNER_OPTIONS)}")
-        if applied.engine:
-            _run_engine(model, scenario, applied.engine, [cap, *observers], force)
-        else:
-            _run_sequential(model, scenario, applied.runner, [cap, *observers], force)
+        try:
+            if applied.engine:
+                _run_engine(model, scenario, applied.engine, [cap, *observers], force)
+            else:
+                _run_sequential(model, scenario, applied.runner, [cap, *observers], force)
+        except NonFiniteLogits as exc:
+            # observers saw the row before the sampler refused it: the capture holds its
+            # location, and every comparator fails a stopped or non-finite capture
+            cap.stopped = str(exc)
     return cap
 
 

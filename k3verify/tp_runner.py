@@ -5,7 +5,10 @@ arrival order, whole-prompt prefill, one token per step, greedy or seeded sampli
 teacher forcing with `force`. Every rank runs the loop; rank 0 samples and broadcasts
 the token (what a TP engine's driver does, so ranks can never part), gathers the KDA
 head shards to full [H, K, V] states and conv windows, and the MLA rows (DCP shards
-re-interleaved), and feeds its Capture.
+re-interleaved), and feeds its Capture. The capture records non-finite items like the
+sequential runner's; a row the sampler refuses (NaN / +inf) stops the run on every rank
+at the same point (the logits are all-gathered, so every rank's sampler sees the same row
+before the broadcast), and rank 0's capture says so in `stopped`.
 
     with TPRunner(model, world_size=2) as tp:          # W ranks, started once
         ref = tp.run(scenario, ())                        # TP without toggles
@@ -20,6 +23,7 @@ import torch
 
 import optimized_stack.parallel.toggle_defs  # noqa: F401  (registers the TP toggles)
 from optimized_stack import toggles as toggle_registry
+from optimized_stack.engine.sampler import NonFiniteLogits
 from optimized_stack.errors import K3Error
 from optimized_stack.parallel import RankContext, RankPool, TPModel, TPOptions
 
@@ -51,7 +55,10 @@ def _job(ctx: RankContext, scenario, toggle_names: tuple[str, ...], keep: bool,
         tp = TPModel(ctx.state["model"], ctx.comm, TPOptions.from_runner(applied.runner), ctx.device)
         cap = Capture(keep=keep, label="+".join(toggle_names) or f"tp{ctx.world_size}-reference")
         observers = [cap] if ctx.rank == 0 else []
-        _run(tp, scenario, observers, force)
+        try:
+            _run(tp, scenario, observers, force)
+        except NonFiniteLogits as exc:       # raised on every rank before any collective
+            cap.stopped = str(exc)
     return cap if ctx.rank == 0 else None
 
 

@@ -38,8 +38,10 @@ def judge_vllm(model_dir: Path, toggle_names: list[str], *, max_tokens: int = 16
             continue
         ref, cand = vb.run_vllm_pair(model_dir, prompts, max_tokens, vb.REFERENCE, vb.candidate_settings(name))
         summary, findings = vb.compare_captures(ref, cand, label=f"vllm:{name}")
-        equal = summary.bitwise_equal
-        if equal:
+        equal = summary.passed
+        if summary.nonfinite:
+            why = summary.nonfinite["reason"]
+        elif equal:
             why = f"bit-identical full-vocabulary logprobs ({summary.n_steps_compared} steps)"
         else:
             why = (f"{summary.n_mismatched} logprob entries differ, max ULP {summary.max_ulp}, "
@@ -47,7 +49,9 @@ def judge_vllm(model_dir: Path, toggle_names: list[str], *, max_tokens: int = 16
                    f"{summary.tokens_part}")
         out.append({**base, "status": "pass" if equal else "fail", "reason": why,
                     "duration_s": float(cand.get("seconds", 0.0) or 0.0),
-                    "first_divergence": (None if summary.first_divergent is None else
+                    "first_divergence": ({"request": summary.nonfinite["request"], "step": summary.nonfinite["step"],
+                                          "tensor": "logprobs", "side": "+".join(summary.nonfinite["sides"])}
+                                         if summary.nonfinite else None if summary.first_divergent is None else
                                          {"request": summary.first_divergent[0], "step": summary.first_divergent[1],
                                           "tensor": "logprobs"}),
                     "findings": [{**f.to_dict(), "message": f.message(), "request": i, "tokens_part": part}

