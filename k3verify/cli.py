@@ -2,6 +2,9 @@
 
 Exit codes (design.md): 0 every check passed, 1 a check failed, 2 the run could not
 be made (bad input) with a one-line reason on stderr.
+
+Done here once for every command: --json puts exactly one JSON document on stdout and
+everything else on stderr (commands.json_output).
 """
 
 from __future__ import annotations
@@ -98,8 +101,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_usage(sys.stderr)
         return _error("a command is required; choose from " + ", ".join(cmds))
 
+    commands.record_argv(argv)
+    json_mode = bool(getattr(args, "json", False))
     try:
-        code = args._run(args)
+        with commands.json_output(json_mode) as sink:
+            code = args._run(args)
     except (K3Error, UsageError) as exc:
         return _error(_one_line(exc))
     except FileNotFoundError as exc:
@@ -112,6 +118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     if not isinstance(code, int) or code not in (EXIT_OK, EXIT_FAILED, EXIT_USAGE):
         raise TypeError(f"command {args.command!r} must return 0, 1 or 2, got {code!r}")
+    if sink is not None and code != EXIT_USAGE and sink.count != 1:
+        raise TypeError(f"command {args.command!r} --json must print exactly one JSON document, printed {sink.count}")
     return code
 
 

@@ -32,12 +32,12 @@ from typing import Any, Callable
 from optimized_stack import toggles as toggle_registry
 from optimized_stack.errors import K3Error
 
-from . import golden_hashes, workloads
+from . import commands, golden_hashes, workloads
 from .errors import UsageError
 from .gate import ReferenceRuns, check_toggle, model_device
 from .io import atomic_write_json, atomic_write_text
 from .report import build_report, environment_fingerprint, load_report, validate_report, write_report
-from .suites import QUALITY_KINDS, Suite, expand, parse_suite
+from .suites import QUALITY_KINDS, Suite, bench_options, expand, parse_suite
 
 PLAN_FORMAT = "k3verify.all-plan"
 PLAN_VERSION = 1
@@ -147,7 +147,7 @@ def run_command_gate(unit: dict, ctx: Context) -> list[dict]:
     log = io.StringIO()
     t0 = time.perf_counter()
     try:
-        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        with commands.json_output(False), contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
             code = module.run(args)
     except (UsageError, K3Error) as exc:          # the gate could not run: an error result, the run goes on
         code = 2
@@ -176,18 +176,22 @@ def run_bench(unit: dict, ctx: Context) -> list[dict]:
         if exc.name != "k3verify.bench":
             raise
         return [result(unit["toggle"], "bench", "skip", f"{NOT_AVAILABLE} (no k3verify.bench)")]
-    o, t0 = unit["options"], time.perf_counter()
-    kw = dict(a.split("=", 1) for a in o["args"])          # e.g. ["workload=agentic", "repeats=3"]
-    row = bench.bench_toggle(ctx.model, unit["toggle"], workload_name=kw.get("workload", "decode"),
-                             scale=float(kw.get("scale", 1.0)), repeats=int(kw.get("repeats", 3)))
+    t0 = time.perf_counter()
+    kw = bench_options(unit["options"]["args"], f"check {unit['check']!r}: bench args")
+    row = bench.bench_toggle(ctx.model, unit["toggle"], workload_name=kw["workload"], scale=kw["scale"],
+                             repeats=kw["repeats"])
+    return [bench_result(row, time.perf_counter() - t0)]
+
+
+def bench_result(row: dict, duration_s: float) -> dict:
+    """A bench row (k3verify.bench.bench_toggle) as a report result: pass when its speedup counts."""
     if row["ratio"] is None:                      # not timed: the toggle does not run here
-        return [result(unit["toggle"], "bench", "skip", row["why"], scenario=row["scenario"],
-                       duration_s=time.perf_counter() - t0)]
+        return result(row["toggle"], "bench", "skip", row["why"], scenario=row["scenario"], duration_s=duration_s)
     speedup = {"ratio": row["ratio"], "ci": row["ci95"], "counted": row["counted"], "workload": row["workload"],
                "tokens_per_s_ref": row["tokens_per_s_a"], "tokens_per_s_cand": row["tokens_per_s_b"]}
-    return [result(unit["toggle"], "bench", "pass" if row["counted"] else "skip",
-                   f"{row['ratio']:.3f}x on {row['scenario']}: {row['why']}", scenario=row["scenario"],
-                   speedup=speedup, duration_s=time.perf_counter() - t0)]
+    return result(row["toggle"], "bench", "pass" if row["counted"] else "skip",
+                  f"{row['ratio']:.3f}x on {row['scenario']}: {row['why']}", scenario=row["scenario"],
+                  speedup=speedup, duration_s=duration_s)
 
 
 def run_unit(unit: dict, ctx: Context) -> list[dict]:

@@ -11,13 +11,12 @@ read from OPENAI_API_KEY.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 
 from rich.table import Table
 
-from k3verify.commands import add_json_flag, add_model_flag, console, emit_json, served_model
+from k3verify.commands import add_json_flag, add_model_flag, command_line, console, emit_json, served_model
 from k3verify.errors import UsageError
 
 NAME = "kvv"
@@ -90,7 +89,7 @@ def run(args) -> int:
         else:
             gate, title = _check_endpoint(args, args.base_url)
     run_id, default_dir = verify.default_report_dir("kvv")
-    report, paths = verify.write(args.report_dir or default_dir, run_id, "k3verify " + " ".join(sys.argv[1:]),
+    report, paths = verify.write(args.report_dir or default_dir, run_id, command_line(),
                                  None, gate.results, seeds={})
     con = console()
     con.print(results_table(gate.results, title))

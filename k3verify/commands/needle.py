@@ -15,7 +15,9 @@ from pathlib import Path
 
 from rich.table import Table
 
-from k3verify.commands import add_json_flag, add_model_flag, console, emit_json
+from k3verify.commands import add_json_flag, add_model_flag, command_line, console, emit_json
+from k3verify.commands._costs import needle_case_s
+from k3verify.commands._progress import Item, RunProgress
 from k3verify.errors import UsageError
 
 NAME = "needle"
@@ -103,11 +105,14 @@ def run(args) -> int:
     from optimized_stack.tokenizer import load_tokenizer
     model = load_model(args.model)
     tokenizer = load_tokenizer(args.model)
+    sides = 2 if args.toggle else 1              # the reference, then the candidate, case by case
+    items = [Item(c.name, "needle", needle_case_s(c.length_tokens)) for _ in range(sides) for c in cases]
     # the gate makes (and records) the same automatic choice from the same cases
-    gate = quality.needle_gate(model, tokenizer, cases, toggle=args.toggle, fast=args.fast,
-                               min_recall=args.min_recall, progress=lambda msg: print(f"  {msg}", file=sys.stderr))
+    with RunProgress("needle", items) as bar:
+        gate = quality.needle_gate(model, tokenizer, cases, toggle=args.toggle, fast=args.fast,
+                                   min_recall=args.min_recall, progress=bar.done)
     run_id, default_dir = verify.default_report_dir("needle")
-    report, paths = verify.write(args.report_dir or default_dir, run_id, "k3verify " + " ".join(sys.argv[1:]),
+    report, paths = verify.write(args.report_dir or default_dir, run_id, command_line(),
                                  model, gate.results, seeds={"needle_seed": args.seed, "samples": args.samples})
     con = console()
     con.print(cells_table(gate))
