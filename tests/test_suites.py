@@ -196,8 +196,42 @@ def test_negative_control_the_boundary_values_pass(body):
     suites.parse_suite(_suite(body), path="ok.toml")
 
 
+@pytest.mark.parametrize("kind, args, match", [
+    ("needle", ["--samples", "0"], r"--samples must be >= 1, got 0"),
+    ("needle", ["--distractors", "20"], r"length_tokens must be at least \d+"),      # 20 needles do not fit in 1024
+    ("needle", ["--min-recall", "2"], r"--min-recall is a fraction"),
+    ("gsm8k", ["--num-fewshot", "-1"], r"--num-fewshot must be >= 0"),
+    ("gsm8k", ["--margin", "5"], r"--margin is a fraction"),
+    ("kvv", ["--max-tokens", "0"], r"--max-tokens must be >= 1"),
+    ("kvv", ["--only", "nosuch"], r"--only 'nosuch': no KVV check starts with it"),
+], ids=["needle-samples", "needle-distractors", "needle-min-recall", "gsm8k-fewshot", "gsm8k-margin",
+        "kvv-max-tokens", "kvv-only"])
+def test_gate_arguments_the_run_would_refuse_fail_the_precheck(kind, args, match, tmp_path):
+    """The gate command's own validate(args) runs in the pre-check: what its run() refuses first."""
+    unit = suites.expand(suites.parse_suite(_suite(f'[[check]]\nkind = "{kind}"\nargs = {args!r}\n'.replace("'", '"'))))[0]
+    with pytest.raises(UsageError, match=match):
+        run_all.gate_args(unit, None, tmp_path)
+
+
+def test_all_refuses_a_bad_gate_argument_before_the_first_unit_runs(tmp_path, capsys):
+    """The cheap diff unit comes first; the needle unit's bad argument must stop the run before it."""
+    path = tmp_path / "s.toml"
+    path.write_text(_suite('[[check]]\nkind = "diff"\ntoggles = ["prefill_step_api"]\nscenarios = ["single"]\n'
+                           'scale = 0.25\n[[check]]\nkind = "needle"\nlengths = [512]\nargs = ["--samples", "0"]\n'))
+    assert cli.main(["all", "--suite", str(path), "--report-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "check 'needle': k3verify needle would refuse it: --samples must be >= 1" in err
+    assert not (tmp_path / "run").exists(), "no plan, no unit file: nothing ran"
+
+
 def test_suite_file_that_is_not_utf8_is_one_line(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_bytes(b'version = 1\n# \xff\n[[check]]\nkind = "golden"\n')
     with pytest.raises(UsageError, match=r"bad.toml: a suite is UTF-8 TOML text; byte 0xff at offset 14 is not UTF-8"):
         suites.load_suite(str(bad))
+
+
+def test_resume_of_a_plan_that_is_not_utf8_is_one_line(tmp_path):
+    (tmp_path / "plan.json").write_bytes(b"\xff\xfe{}")
+    with pytest.raises(UsageError, match=r"cannot resume: no readable plan at"):
+        run_all.load_plan(tmp_path)

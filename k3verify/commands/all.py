@@ -117,16 +117,9 @@ def run(args) -> int:
         suite = load_suite(args.suite or "premerge")
         model = load_model(args.model)
         run_id = new_run_id("all")
-        run_dir = args.report_dir or REPORTS_DIR / run_id
-        if (run_dir / "plan.json").is_file():
-            raise UsageError(f"{run_dir} already holds a run; pass --resume to finish it or choose another --report-dir")
+        run_dir = args.report_dir or REPORTS_DIR / run_id     # a --report-dir holding a run: refused by the CLI
         plan = run_all.new_plan(suite, args.model, model, run_id, command)
-    gate_args = {}
-    for unit in plan["units"]:               # bad gate arguments: exit 2 before any work
-        if unit["kind"] in ("gsm8k", "needle", "kvv"):
-            found = run_all.gate_args(unit, plan["model"], run_dir / "gates" / unit["id"])
-            if found is not None:
-                gate_args[unit["id"]] = found[1]
+    gate_args = run_all.precheck(plan, run_dir)   # what a unit would refuse: exit 2 before any work
     with Display(plan, gate_args) as display:
         results, ran = run_all.execute(plan, model, run_dir, display=display)
     con = console()

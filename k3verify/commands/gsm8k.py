@@ -125,6 +125,9 @@ def _validate(args) -> None:
         registry.get(args.toggle)                 # unknown names: exit 2 before any work
 
 
+validate = _validate          # `k3verify all` runs the same checks on a suite's gate arguments before any work
+
+
 def _questions(args) -> int:
     """How many questions each side answers (for the progress line): --limit, else the test split."""
     from k3verify.evals.gsm8k import SYNTH_TEST_N

@@ -32,7 +32,7 @@ def _int_list(text: str) -> list[int]:
         values = [int(v.strip().replace("_", "")) for v in text.split(",") if v.strip()]
     except ValueError:
         raise UsageError(f"--lengths must be comma-separated token counts like 4096,8192, got {text!r}") from None
-    if not values or any(not 256 <= v <= MAX_LENGTH_TOKENS for v in values):
+    if not values or any(not 256 <= v <= MAX_LENGTH_TOKENS for v in values):   # the exact minimum: validate()
         raise UsageError(f"--lengths must be token counts in [256, {MAX_LENGTH_TOKENS}], got {text!r}")
     return values
 
@@ -83,8 +83,11 @@ def cells_table(gate) -> Table:
     return table
 
 
-def run(args) -> int:
-    from k3verify import quality, verify
+def validate(args) -> list:
+    """Every check run() makes before loading the model, and the cases (`k3verify all` calls it
+    in its pre-check, so a suite value the run would refuse is refused before any work)."""
+    from optimized_stack.errors import K3Error
+
     from k3verify.evals import needle
 
     lengths, depths = _int_list(args.lengths), _float_list(args.depths)
@@ -95,8 +98,17 @@ def run(args) -> int:
     if args.toggle is not None:
         from optimized_stack import toggles as registry
         registry.get(args.toggle)                 # unknown names: exit 2 before any work
-    cases = [c for s in range(args.seed, args.seed + args.samples)
-             for c in needle.grid(lengths, depths, seed=s, n_distractors=args.distractors)]
+    try:                                          # a case has a minimum length (header, question, needles)
+        return [c for s in range(args.seed, args.seed + args.samples)
+                for c in needle.grid(lengths, depths, seed=s, n_distractors=args.distractors)]
+    except K3Error as exc:
+        raise UsageError(f"--lengths {args.lengths} --distractors {args.distractors}: {exc}") from None
+
+
+def run(args) -> int:
+    from k3verify import quality, verify
+
+    cases = validate(args)
     fast, auto_reason = quality.choose_fast(max(c.length_tokens for c in cases), args.fast)
     if auto_reason:
         print(f"note: {auto_reason} (recorded in the report)", file=sys.stderr)
