@@ -198,7 +198,8 @@ class RunProgress:
 
     def render(self) -> RenderableType:
         status, bar_width = self.status(), 16
-        name_width = max(8, min(60, self.console.width - bar_width - len(status) - 3))  # the name gives way
+        numbers = max(len(status), len("999/999  elapsed 0:00:00  ETA 0:00:00"))  # steady columns, frame to frame
+        name_width = max(8, min(60, self.console.width - bar_width - numbers - 3))  # the name gives way
         grid = Table.grid(padding=(0, 1))
         grid.add_column(no_wrap=True, width=name_width)
         grid.add_column(no_wrap=True, width=bar_width)
