@@ -135,7 +135,8 @@ def _questions(args) -> int:
     if args.dataset == "synth":
         size = SYNTH_TEST_N
     elif args.data_dir is not None and (args.data_dir / "test.jsonl").is_file():
-        size = sum(1 for line in open(args.data_dir / "test.jsonl", encoding="utf-8", errors="replace") if line.strip())
+        with open(args.data_dir / "test.jsonl", encoding="utf-8", errors="replace") as f:
+            size = sum(1 for line in f if line.strip())
     else:
         size = 1319                       # openai/gsm8k's test split
     return min(args.limit, size) if args.limit else size
