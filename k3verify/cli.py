@@ -2,6 +2,11 @@
 
 Exit codes (design.md): 0 every check passed, 1 a check failed, 2 the run could not
 be made (bad input) with a one-line reason on stderr.
+
+Done here once for every command: --json puts exactly one JSON document on stdout and
+everything else on stderr (commands.json_output); output locations (--report-dir, --out)
+are refused before any work when they cannot be written or hold another run's report;
+an OSError (a write that failed after all) is one line and exit 2, not a traceback.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from optimized_stack.errors import K3Error
 
 from k3verify import __version__, commands
 from k3verify.errors import CheckFailed, UsageError
+from k3verify.io import check_writable_dir, check_writable_file
 
 PROG = "k3verify"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -101,12 +107,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_usage(sys.stderr)
         return _error("a command is required; choose from " + ", ".join(cmds))
 
+    commands.record_argv(argv)
+    json_mode = bool(getattr(args, "json", False))
     try:
-        code = args._run(args)
+        with commands.json_output(json_mode) as sink:
+            check_outputs(args)
+            code = args._run(args)
     except (K3Error, UsageError) as exc:
         return _error(_one_line(exc))
     except FileNotFoundError as exc:
         return _error(f"file not found: {exc.filename}" if exc.filename else _one_line(exc))
+    except OSError as exc:                 # the environment, not the code: e.g. a disk that filled up
+        where = f" ({exc.filename})" if exc.filename else ""
+        return _error(f"{type(exc).__name__}: {exc.strerror or exc}{where}")
     except CheckFailed as exc:
         print(f"{PROG}: check failed: {_one_line(exc)}", file=sys.stderr)
         return EXIT_FAILED
@@ -115,7 +128,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     if not isinstance(code, int) or code not in (EXIT_OK, EXIT_FAILED, EXIT_USAGE):
         raise TypeError(f"command {args.command!r} must return 0, 1 or 2, got {code!r}")
+    if sink is not None and code != EXIT_USAGE and sink.count != 1:
+        raise TypeError(f"command {args.command!r} --json must print exactly one JSON document, printed {sink.count}")
     return code
+
+
+def check_outputs(args) -> None:
+    """Refuse output locations before any work, so a long run cannot die at its end.
+
+    --report-dir (or the default reports/ it would go under) must be a writable directory,
+    and a new run must not land in a directory that holds another run's report (the rule:
+    k3verify.report.claim_report_dir; `all --resume` continues its own run). --out is a file."""
+    from k3verify.report import claim_report_dir
+
+    if hasattr(args, "report_dir"):
+        check_writable_dir(args.report_dir or commands.REPORTS_DIR, "--report-dir")
+        if args.report_dir is not None and not getattr(args, "resume", None):
+            claim_report_dir(args.report_dir, None)
+    if getattr(args, "out", None) is not None:
+        check_writable_file(args.out, "--out")
 
 
 def _one_line(exc: BaseException) -> str:

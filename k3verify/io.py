@@ -3,6 +3,15 @@
 Write to a temp file in the destination directory (same filesystem, so the rename
 is atomic), fsync it, then os.replace over the target. A crash or exception at any
 point leaves the previous file untouched and no temp file behind.
+
+The new file gets the mode a plain open(path, "w") would give it (0o666 less the
+process umask, so 0644 under the usual 022): mkstemp alone creates 0600, which hid
+reports from every other user of the machine.
+
+An OSError while writing (read-only directory, a path under a regular file, disk
+full) becomes WriteError: still an OSError, and a UsageError so the CLI prints one
+line and exits 2. check_writable_dir / check_writable_file refuse such a location
+before a run starts, so a long run does not die at its end.
 """
 
 from __future__ import annotations
@@ -12,15 +21,32 @@ import os
 import tempfile
 from pathlib import Path
 
+from .errors import UsageError
+
+
+class WriteError(OSError, UsageError):
+    """A file could not be written; the message names the file and the system's reason."""
+
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     """Replace path with data atomically; parent directories are created. Returns the path."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"atomic_write_bytes expects bytes, got {type(data).__name__}")
     target = Path(path)
+    try:
+        _replace(target, data)
+    except WriteError:
+        raise
+    except OSError as exc:
+        raise WriteError(f"cannot write {target}: {_reason(exc, target)}") from exc
+    return target
+
+
+def _replace(target: Path, data: bytes) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~process_umask())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -31,7 +57,6 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     _fsync_dir(target.parent)
-    return target
 
 
 def atomic_write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> Path:
@@ -47,6 +72,79 @@ def atomic_write_json(path: str | os.PathLike, obj: object, indent: int | None =
     """
     text = json.dumps(obj, indent=indent, ensure_ascii=False, allow_nan=allow_nan) + "\n"
     return atomic_write_text(path, text)
+
+
+def make_dir(path: str | os.PathLike) -> Path:
+    """mkdir -p, with WriteError (one line, exit 2) instead of FileExistsError / PermissionError."""
+    p = Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise WriteError(f"cannot create directory {p}: {_reason(exc, p)}") from exc
+    return p
+
+
+def process_umask() -> int:
+    """The umask without changing it: /proc/self/status on Linux, else set-and-restore."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)   # the only portable read; restored at once
+    os.umask(mask)
+    return mask
+
+
+def check_writable_dir(path: str | os.PathLike, what: str = "--report-dir") -> None:
+    """Refuse, before any work, a directory a run could not create or write into.
+
+    Probes with a real temp file in the directory (or its nearest existing ancestor, where
+    it would be created) rather than os.access: that also holds for root, for read-only
+    mounts and for ACLs. Writes nothing that stays."""
+    p = Path(path)
+    problem = f"expected a directory, got a {_kind(p)}" if p.exists() and not p.is_dir() else _dir_problem(p)
+    if problem:
+        raise UsageError(f"{what} {p}: {problem}")
+
+
+def check_writable_file(path: str | os.PathLike, what: str = "--out") -> None:
+    """Refuse, before any work, a file path that could not be written (a directory, an unwritable parent)."""
+    p = Path(path)
+    problem = "expected a file path, got a directory" if p.is_dir() else _dir_problem(p.parent)
+    if problem:
+        raise UsageError(f"{what} {p}: {problem}")
+
+
+def _dir_problem(p: Path) -> str | None:
+    probe = p
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} is a {_kind(probe)}, not a directory"
+    try:
+        fd, tmp = tempfile.mkstemp(dir=probe, prefix=".k3verify-probe-")
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as exc:
+        return f"cannot write in {probe} ({exc.strerror or exc})"
+    return None
+
+
+def _kind(p: Path) -> str:
+    return "regular file" if p.is_file() else "special file"
+
+
+def _reason(exc: OSError, target: Path) -> str:
+    blocker = next((p for p in target.parents if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():      # mkdir's "File exists" / "Not a directory"
+        return f"{blocker} is a {_kind(blocker)}, not a directory"
+    reason = exc.strerror or str(exc)
+    if exc.filename is not None and Path(os.fsdecode(exc.filename)) != target:
+        reason += f" ({os.fsdecode(exc.filename)})"
+    return reason
 
 
 def _fsync_dir(directory: Path) -> None:

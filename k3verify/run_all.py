@@ -25,6 +25,7 @@ import contextlib
 import importlib
 import io
 import json
+import shutil
 import time
 import traceback
 from datetime import datetime, timezone
@@ -34,12 +35,12 @@ from typing import Any, Callable
 from optimized_stack import toggles as toggle_registry
 from optimized_stack.errors import K3Error
 
-from . import golden_hashes, workloads
+from . import commands, golden_hashes, workloads
 from .errors import UsageError
 from .gate import ReferenceRuns, check_toggle, model_device
-from .io import atomic_write_json, atomic_write_text
+from .io import atomic_write_json, atomic_write_text, make_dir
 from .report import build_report, environment_fingerprint, load_report, validate_report, write_report
-from .suites import QUALITY_KINDS, Suite, expand, parse_suite
+from .suites import QUALITY_KINDS, Suite, bench_options, expand, parse_suite
 
 PLAN_FORMAT = "k3verify.all-plan"
 PLAN_VERSION = 1
@@ -102,8 +103,9 @@ def _argv_for(parser: argparse.ArgumentParser, flags: dict[str, Any]) -> list[st
 def gate_args(unit: dict, model_arg: str | None, out_dir: Path):
     """(command module, parsed args) for a quality-gate unit, or None when the command is absent.
 
-    A suite argument the command does not take is a UsageError, found before any work
-    (`k3verify all` calls this for every gate unit first)."""
+    A suite argument the command does not take, or a value its run would refuse (the
+    command's own validate(args), the checks its run() makes first), is a UsageError,
+    found before any work (`k3verify all` calls precheck first)."""
     cmd, o, toggle = unit["kind"], unit["options"], unit["toggle"]
     try:
         module = importlib.import_module(f"k3verify.commands.{cmd}")
@@ -125,10 +127,32 @@ def gate_args(unit: dict, model_arg: str | None, out_dir: Path):
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            return module, parser.parse_args(argv)
+            args = parser.parse_args(argv)
     except SystemExit:
         msg = err.getvalue().strip().splitlines()[-1:] or ["see its usage"]
         raise UsageError(f"check {unit['check']!r}: k3verify {cmd} rejects {' '.join(argv)!r}: {msg[0]}") from None
+    validate = getattr(module, "validate", None)
+    if validate is not None:
+        try:
+            validate(args)
+        except (UsageError, K3Error) as exc:
+            raise UsageError(f"check {unit['check']!r}: k3verify {cmd} would refuse it: {exc}") from None
+    return module, args
+
+
+def precheck(plan: dict, run_dir: Path) -> dict[str, argparse.Namespace]:
+    """Everything a unit would refuse at run time, refused before the first unit runs: gate
+    arguments (parsed and validated by the gate command) and bench arguments.
+    Returns each available gate unit's parsed arguments by unit id."""
+    parsed = {}
+    for unit in plan["units"]:
+        if unit["kind"] in QUALITY_KINDS:
+            found = gate_args(unit, plan["model"], run_dir / "gates" / unit["id"])
+            if found is not None:
+                parsed[unit["id"]] = found[1]
+        elif unit["kind"] == "bench":
+            bench_options(unit["options"]["args"], f"check {unit['check']!r}: bench args")
+    return parsed
 
 
 def run_command_gate(unit: dict, ctx: Context) -> list[dict]:
@@ -146,15 +170,18 @@ def run_command_gate(unit: dict, ctx: Context) -> list[dict]:
     if found is None:
         return [result(toggle, cmd, "skip", f"{NOT_AVAILABLE} (no `k3verify {cmd}` command)")]
     module, args = found
+    if out_dir.exists():
+        # The unit has no file, so it did not finish: what is here is this run's own leftover
+        # from the attempt that was interrupted, not another run's report (claim_report_dir).
+        shutil.rmtree(out_dir)
     log = io.StringIO()
     t0 = time.perf_counter()
     try:
-        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        with commands.json_output(False), contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
             code = module.run(args)
     except (UsageError, K3Error) as exc:          # the gate could not run: an error result, the run goes on
         code = 2
         log.write(f"\nk3verify {cmd}: error: {exc}\n")
-    out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out_dir / "output.log", log.getvalue())
     duration = time.perf_counter() - t0
     rel = str((out_dir / "report.md").relative_to(ctx.run_dir))
@@ -178,18 +205,22 @@ def run_bench(unit: dict, ctx: Context) -> list[dict]:
         if exc.name != "k3verify.bench":
             raise
         return [result(unit["toggle"], "bench", "skip", f"{NOT_AVAILABLE} (no k3verify.bench)")]
-    o, t0 = unit["options"], time.perf_counter()
-    kw = dict(a.split("=", 1) for a in o["args"])          # e.g. ["workload=agentic", "repeats=3"]
-    row = bench.bench_toggle(ctx.model, unit["toggle"], workload_name=kw.get("workload", "decode"),
-                             scale=float(kw.get("scale", 1.0)), repeats=int(kw.get("repeats", 3)))
+    t0 = time.perf_counter()
+    kw = bench_options(unit["options"]["args"], f"check {unit['check']!r}: bench args")
+    row = bench.bench_toggle(ctx.model, unit["toggle"], workload_name=kw["workload"], scale=kw["scale"],
+                             repeats=kw["repeats"])
+    return [bench_result(row, time.perf_counter() - t0)]
+
+
+def bench_result(row: dict, duration_s: float) -> dict:
+    """A bench row (k3verify.bench.bench_toggle) as a report result: pass when its speedup counts."""
     if row["ratio"] is None:                      # not timed: the toggle does not run here
-        return [result(unit["toggle"], "bench", "skip", row["why"], scenario=row["scenario"],
-                       duration_s=time.perf_counter() - t0)]
+        return result(row["toggle"], "bench", "skip", row["why"], scenario=row["scenario"], duration_s=duration_s)
     speedup = {"ratio": row["ratio"], "ci": row["ci95"], "counted": row["counted"], "workload": row["workload"],
                "tokens_per_s_ref": row["tokens_per_s_a"], "tokens_per_s_cand": row["tokens_per_s_b"]}
-    return [result(unit["toggle"], "bench", "pass" if row["counted"] else "skip",
-                   f"{row['ratio']:.3f}x on {row['scenario']}: {row['why']}", scenario=row["scenario"],
-                   speedup=speedup, duration_s=time.perf_counter() - t0)]
+    return result(row["toggle"], "bench", "pass" if row["counted"] else "skip",
+                  f"{row['ratio']:.3f}x on {row['scenario']}: {row['why']}", scenario=row["scenario"],
+                  speedup=speedup, duration_s=duration_s)
 
 
 def run_unit(unit: dict, ctx: Context) -> list[dict]:
@@ -226,9 +257,10 @@ def finished(run_dir: Path, unit: dict) -> list[dict] | None:
     p = unit_path(run_dir, unit)
     try:
         data = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError):                 # also a file cut short or not UTF-8: not finished
         return None
-    return data["results"] if data.get("unit", {}).get("id") == unit["id"] else None
+    mine = isinstance(data, dict) and isinstance(data.get("unit"), dict) and data["unit"].get("id") == unit["id"]
+    return data["results"] if mine else None
 
 
 def new_plan(suite: Suite, model_arg: str | None, model, run_id: str, command: str) -> dict[str, Any]:
@@ -242,17 +274,18 @@ def load_plan(run_dir: Path) -> dict[str, Any]:
     p = run_dir / "plan.json"
     try:
         plan = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError):                 # ValueError: not JSON, or not UTF-8
         raise UsageError(f"cannot resume: no readable plan at {p} (expected a run directory of `k3verify all`)") from None
-    if plan.get("format") != PLAN_FORMAT or plan.get("version") != PLAN_VERSION:
-        raise UsageError(f"cannot resume {p}: expected {PLAN_FORMAT} v{PLAN_VERSION}, got {plan.get('format')!r}")
+    if not isinstance(plan, dict) or plan.get("format") != PLAN_FORMAT or plan.get("version") != PLAN_VERSION:
+        got = plan.get("format") if isinstance(plan, dict) else type(plan).__name__
+        raise UsageError(f"cannot resume {p}: expected {PLAN_FORMAT} v{PLAN_VERSION}, got {got!r}")
     return plan
 
 
 def execute(plan: dict, model, run_dir: Path, *, display=None,
             after_unit: Callable[[dict], None] | None = None) -> tuple[list[dict], int]:
     """Run the plan's unfinished units; returns (all results in plan order, units run now)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    make_dir(run_dir)
     if not (run_dir / "plan.json").is_file():
         atomic_write_json(run_dir / "plan.json", plan)
     progress = display.step if display else (lambda msg: None)

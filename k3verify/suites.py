@@ -11,7 +11,11 @@ A suite file:
     scale = 0.25
 
 Validation is strict and happens before any work: an unknown kind, key, toggle or
-scenario is a one-line UsageError (exit 2) with a "did you mean". Selectors resolve
+scenario is a one-line UsageError (exit 2) with a "did you mean", and so is every value
+the run itself would refuse (a needle length too short for its needle, limit = 0, a
+bench argument bench cannot take, a base_url without a host); `args` are parsed and
+validated by the gate command itself before the first unit runs (run_all.precheck).
+Selectors resolve
 against the toggle registry at expansion time, so a toggle that lands with its contract
 is in every suite that says "all-exact" without editing the file.
 
@@ -29,6 +33,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from optimized_stack import toggles as toggle_registry
 from optimized_stack.errors import K3Error
@@ -53,6 +58,41 @@ CHECK_KINDS: dict[str, dict[str, Any]] = {
     "bench": {"toggles": "all", "args": []},
 }
 _COMMON_KEYS = ("kind", "name", "description")
+# `args` words that `k3verify all` sets itself, or that a suite key sets: refused there, so a
+# unit cannot write its report elsewhere, print JSON into the log, or run another toggle or model
+RESERVED_ARGS = ("--report-dir", "--json", "--toggle", "--model")
+KEY_FLAGS = {"gsm8k": {"--dataset": "dataset", "--limit": "limit"},
+             "needle": {"--lengths": "lengths", "--depths": "depths"},
+             "kvv": {"--base-url": "base_url", "--self": "base_url"}}
+# bench `args` are key=value (no command parser): key -> (type, check, what the value must be)
+BENCH_ARGS: dict[str, tuple[type, Any, str]] = {
+    "workload": (str, lambda v: v in ("agentic", "decode", "prefill"), "one of agentic, decode, prefill"),
+    "scale": (float, lambda v: 0 < v <= 64, "a number in (0, 64]"),
+    "repeats": (int, lambda v: v >= 2, "an integer >= 2 (an interval needs two pairs)"),
+}
+BENCH_DEFAULTS = {"workload": "decode", "scale": 1.0, "repeats": 3}
+NEEDLE_SHORT_TOKENS = 4096   # below this a length is built once here: a case has a minimum (header,
+                             # question, needles: ~400 tokens); above it no case is that short
+
+
+def bench_options(words: list[str], where: str = "bench args") -> dict[str, Any]:
+    """["workload=agentic", "repeats=3"] -> {"workload": "agentic", "scale": 1.0, "repeats": 3}; bad words
+    are a UsageError (run_all.run_bench uses the same parse, so the pre-check is the run's)."""
+    out = dict(BENCH_DEFAULTS)
+    for word in words:
+        key, sep, text = word.partition("=")
+        if not sep or key not in BENCH_ARGS:
+            raise UsageError(f"{where}: expected key=value with key one of {', '.join(BENCH_ARGS)}, got {word!r}"
+                             + (_hint(key, list(BENCH_ARGS)) if sep else ""))
+        kind, ok, what = BENCH_ARGS[key]
+        try:
+            value = kind(text)
+        except ValueError:
+            raise UsageError(f"{where}: {key} must be {what}, got {text!r}") from None
+        if not ok(value):
+            raise UsageError(f"{where}: {key} must be {what}, got {text!r}")
+        out[key] = value
+    return out
 
 
 def _hint(word: str, known: list[str]) -> str:
@@ -113,23 +153,54 @@ class CheckSpec:
             v = o["scale"]
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 64:
                 raise UsageError(f"{w}: scale must be a number in (0, 64], got {v!r}")
-        for key in ("seed", "limit"):
-            if key in o and (isinstance(o[key], bool) or not isinstance(o[key], int) or o[key] < 0):
-                raise UsageError(f"{w}: {key} must be an integer >= 0, got {o[key]!r}")
-        if "lengths" in o and not (isinstance(o["lengths"], list) and o["lengths"]
-                                   and all(isinstance(x, int) and not isinstance(x, bool) and x > 0
-                                           for x in o["lengths"])):
-            raise UsageError(f"{w}: lengths must be a non-empty list of positive token counts, got {o['lengths']!r}")
+        if "seed" in o and (isinstance(o["seed"], bool) or not isinstance(o["seed"], int) or o["seed"] < 0):
+            raise UsageError(f"{w}: seed must be an integer >= 0, got {o['seed']!r}")
+        if "limit" in o and (isinstance(o["limit"], bool) or not isinstance(o["limit"], int) or o["limit"] < 1):
+            raise UsageError(f"{w}: limit must be an integer >= 1 (questions), got {o['limit']!r}")
         if "depths" in o and not (isinstance(o["depths"], list) and o["depths"]
                                   and all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x <= 1
                                           for x in o["depths"])):
             raise UsageError(f"{w}: depths must be a non-empty list of fractions in [0, 1], got {o['depths']!r}")
-        if "args" in o and not (isinstance(o["args"], list) and all(isinstance(x, str) for x in o["args"])):
-            raise UsageError(f"{w}: args must be a list of strings (extra command-line arguments), got {o['args']!r}")
+        if "lengths" in o:
+            self._validate_lengths(w, o["lengths"], o["depths"])
+        if "args" in o:
+            self._validate_args(w, o["args"])
         if self.kind == "gsm8k" and o["dataset"] not in ("synth", "gsm8k"):
             raise UsageError(f"{w}: dataset must be 'synth' or 'gsm8k', got {o['dataset']!r}")
-        if self.kind == "kvv" and o["base_url"] is not None and not str(o["base_url"]).startswith(("http://", "https://")):
-            raise UsageError(f"{w}: base_url must be an http(s) URL, got {o['base_url']!r}")
+        if self.kind == "kvv" and o["base_url"] is not None:
+            url = urlparse(str(o["base_url"]))
+            if url.scheme not in ("http", "https") or not url.netloc:
+                raise UsageError(f"{w}: base_url must be an http(s) URL with a host, like "
+                                 f"http://127.0.0.1:8000/v1, got {o['base_url']!r}")
+
+    def _validate_lengths(self, w: str, lengths: Any, depths: list[float]) -> None:
+        from .commands.needle import MAX_LENGTH_TOKENS
+        from .evals import needle
+
+        if not (isinstance(lengths, list) and lengths
+                and all(isinstance(x, int) and not isinstance(x, bool) and 0 < x <= MAX_LENGTH_TOKENS for x in lengths)):
+            raise UsageError(f"{w}: lengths must be a non-empty list of token counts in [1, {MAX_LENGTH_TOKENS}], "
+                             f"got {lengths!r}")
+        short = [x for x in lengths if x < NEEDLE_SHORT_TOKENS]
+        if short:                                     # the needle command builds these cases first too
+            try:
+                needle.grid(short, depths)
+            except K3Error as exc:
+                raise UsageError(f"{w}: lengths {short}: {exc}") from None
+
+    def _validate_args(self, w: str, args: Any) -> None:
+        if not (isinstance(args, list) and all(isinstance(x, str) for x in args)):
+            raise UsageError(f"{w}: args must be a list of strings (extra command-line arguments), got {args!r}")
+        if self.kind == "bench":
+            bench_options(args, f"{w}: args")
+            return
+        for word in args:
+            flag = word.split("=", 1)[0]
+            if flag in RESERVED_ARGS:
+                raise UsageError(f"{w}: args may not set {flag}: `k3verify all` sets it for every unit")
+            key = KEY_FLAGS.get(self.kind, {}).get(flag)
+            if key:
+                raise UsageError(f"{w}: args may not set {flag}: use the suite key {key!r}")
 
 
 @dataclass(frozen=True)
@@ -200,7 +271,13 @@ def parse_suite(text: str, name: str = "<suite>", path: str = "<string>") -> Sui
 
 def load_suite(name_or_path: str) -> Suite:
     p = suite_path(name_or_path)
-    return parse_suite(p.read_text(encoding="utf-8"), name=p.stem, path=str(p))
+    raw = p.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{p}: a suite is UTF-8 TOML text; byte 0x{raw[exc.start]:02x} at offset {exc.start} "
+                         f"is not UTF-8") from None
+    return parse_suite(text, name=p.stem, path=str(p))
 
 
 # ---- expansion into units -------------------------------------------------------------

@@ -19,8 +19,9 @@ def _run(capsys, *argv):
     return code, out, err
 
 
-def _last_json(out: str) -> dict:
-    return json.loads(out.strip().splitlines()[-1])
+def _json(out: str) -> dict:
+    """--json: stdout is one JSON document, whole (tables go to stderr)."""
+    return json.loads(out)
 
 
 # ---- dispatcher (no model needed) ---------------------------------------
@@ -195,11 +196,11 @@ def _expected_routed(cfg) -> int:
 def test_info_preset(mini, capsys):
     code, out, err = _run(capsys, "info", "--model", PRESET, "--json")
     assert code == 0, err
-    data = _last_json(out)
+    data = _json(out)
     cfg = mini.config
     letters = "".join("K" if k == "kda" else "M" for k in cfg.layer_kinds)
     assert data["layer_map"].replace(" ", "") == letters
-    assert data["layer_map"] in out, "the table shows the layer map too"
+    assert data["layer_map"] in err, "the table (on stderr under --json) shows the layer map too"
     total = sum(p.numel() for p in mini.parameters())
     routed = _expected_routed(cfg)
     assert data["params"]["total"] == total
@@ -221,10 +222,10 @@ def test_info_directory_sha256(mini, tmp_path, capsys):
     save_checkpoint(mini, tmp_path)
     code, out, err = _run(capsys, "info", "--model", str(tmp_path), "--json")
     assert code == 0, err
-    data = _last_json(out)
+    data = _json(out)
     assert data["source"]["kind"] == "directory"
     assert data["source"]["sha256"] == hashlib.sha256((tmp_path / "model.safetensors").read_bytes()).hexdigest()
-    assert data["source"]["sha256"] in out, "the hash is in the table, not only the JSON"
+    assert data["source"]["sha256"] in err, "the hash is in the table (stderr under --json), not only the JSON"
     assert data["params"]["total"] == sum(p.numel() for p in mini.parameters())
 
 
@@ -238,10 +239,10 @@ def test_bad_model_is_one_line_exit_2(mini, capsys, model):
 def test_generate_preset(mini, capsys):
     code, out, err = _run(capsys, "generate", "--model", PRESET, "--prompt", "Hello", "--max-tokens", "4", "--json")
     assert code == 0, err
-    data = _last_json(out)
+    data = _json(out)
     assert 1 <= len(data["token_ids"]) <= 4
     assert data["stop"] in ("eos", "max_tokens")
-    assert "tokens/s" in out
+    assert "tokens/s" in err, "the human summary goes to stderr under --json"
 
 
 def test_generate_matches_whole_sequence_forward(mini, capsys):
@@ -252,7 +253,7 @@ def test_generate_matches_whole_sequence_forward(mini, capsys):
 
     code, out, _ = _run(capsys, "generate", "--model", PRESET, "--prompt", "Hi", "--max-tokens", "3", "--chat", "--json")
     assert code == 0
-    data = _last_json(out)
+    data = _json(out)
     ids = ByteTokenizer().apply_chat_template([{"role": "user", "content": "Hi"}]) + data["token_ids"]
     with torch.inference_mode():
         logits = mini.forward(torch.tensor(ids), mini.new_state())

@@ -85,3 +85,60 @@ def test_nan_policy(tmp_path):
 def test_type_errors(tmp_path, writer, payload, match):
     with pytest.raises(TypeError, match=match):
         writer(tmp_path / "x", payload)
+
+
+@pytest.fixture
+def umask():
+    """Set the process umask for one test; restored after."""
+    saved = os.umask(0o022)
+    os.umask(saved)
+    yield lambda mask: os.umask(mask)
+    os.umask(saved)
+
+
+@pytest.mark.parametrize("mask, mode", [(0o022, 0o644), (0o027, 0o640), (0o002, 0o664)],
+                         ids=["umask022", "umask027", "umask002"])
+def test_new_files_get_the_mode_the_umask_gives(tmp_path, umask, mask, mode):
+    umask(mask)
+    assert k3io.process_umask() == mask
+    plain = tmp_path / "plain.txt"
+    plain.write_text("x")                                  # what open(path, "w") gives: the reference
+    p = atomic_write_text(tmp_path / "report.json", "{}")
+    assert oct(p.stat().st_mode & 0o777) == oct(mode) == oct(plain.stat().st_mode & 0o777)
+
+
+def test_negative_control_mkstemp_alone_is_0600(tmp_path, umask):
+    import tempfile
+    umask(0o022)
+    fd, name = tempfile.mkstemp(dir=tmp_path)
+    os.close(fd)
+    assert os.stat(name).st_mode & 0o777 == 0o600, "the hazard the fchmod in atomic_write_bytes removes"
+
+
+def test_a_failed_write_is_a_one_line_write_error(tmp_path):
+    from k3verify.errors import UsageError
+    (tmp_path / "taken").write_text("a file")
+    with pytest.raises(k3io.WriteError, match=r"cannot write .*taken/sub/r.json: .*/taken is a regular file, not a directory") as info:
+        atomic_write_text(tmp_path / "taken" / "sub" / "r.json", "x")
+    assert isinstance(info.value, OSError) and isinstance(info.value, UsageError), "exit 2 in the CLI, still an OSError"
+    with pytest.raises(k3io.WriteError, match=r"cannot create directory .*taken/d: .*/taken is a regular file"):
+        k3io.make_dir(tmp_path / "taken" / "d")
+    assert sorted(os.listdir(tmp_path)) == ["taken"]
+
+
+@pytest.mark.parametrize("make, what, match", [
+    (lambda d: (d / "f").write_text("x") and d / "f", "--report-dir", r"--report-dir .*/f: expected a directory, got a regular file"),
+    (lambda d: (d / "f").write_text("x") and d / "f" / "sub", "--report-dir", r"/f is a regular file, not a directory"),
+], ids=["a-file", "under-a-file"])
+def test_check_writable_dir(tmp_path, make, what, match):
+    from k3verify.errors import UsageError
+    with pytest.raises(UsageError, match=match):
+        k3io.check_writable_dir(make(tmp_path), what)
+
+
+def test_check_writable_file(tmp_path):
+    from k3verify.errors import UsageError
+    with pytest.raises(UsageError, match=r"--out .*: expected a file path, got a directory"):
+        k3io.check_writable_file(tmp_path, "--out")
+    k3io.check_writable_file(tmp_path / "new" / "signoff.md", "--out")   # creatable: fine, nothing made
+    assert os.listdir(tmp_path) == []

@@ -1,6 +1,7 @@
 """k3verify.report: schema validation, the four renderers, atomic writing, environment fingerprint."""
 
 import json
+import os
 import re
 import xml.etree.ElementTree as ET
 from datetime import datetime
@@ -277,6 +278,17 @@ def test_write_report_writes_all_four_and_round_trips(tmp_path):
     assert all(p.is_file() and p.stat().st_size > 0 for p in paths.values())
     assert load_report(paths["json"].parent) == json.loads(json.dumps(report))
     assert not list(paths["json"].parent.glob("*.tmp"))  # atomic writes leave no temp files
+
+
+def test_write_report_files_are_readable_like_any_other_output(tmp_path):
+    """0644 under umask 022 (mkstemp alone made them 0600: unreadable to every other user)."""
+    saved = os.umask(0o022)
+    try:
+        paths = write_report(tmp_path / "run", _report())
+    finally:
+        os.umask(saved)
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in paths.values()} == {
+        n: "0o644" for n in ("report.json", "report.md", "report.html", "junit.xml")}
 
 
 def test_write_report_refuses_invalid_report_and_writes_nothing(tmp_path):

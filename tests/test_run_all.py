@@ -261,3 +261,46 @@ def test_quality_gate_of_a_cuda_toggle_on_cpu_is_a_skip_with_the_reason(tmp_path
     assert rows["kda_fla_chunk"]["status"] == "skip"
     assert "runs on cuda, not cpu" in rows["kda_fla_chunk"]["reason"]
     assert rows["mla_sdpa"]["status"] in ("pass", "fail", "inconclusive")   # negative control: it really ran
+
+
+@pytest.fixture
+def fake_gate_with_leftover(tmp_path, monkeypatch):
+    """A needle unit whose command is a fake that writes a report with a new run id, and the
+    leftover report of an earlier, interrupted attempt in its gates/<unit>/ directory."""
+    import types
+
+    from k3verify import verify
+    from k3verify.report import build_report, write_report
+
+    def run(args):
+        run_id, _ = verify.default_report_dir("needle")
+        write_report(args.report_dir, build_report(run_id, "k3verify needle", {}, [
+            run_all.result(None, "needle", "pass", "fake gate")]))
+        return 0
+
+    unit = suites.expand(suites.parse_suite('version = 1\n[[check]]\nkind = "needle"\nlengths = [512]\n'))[0]
+    fake = types.ModuleType("k3verify.commands.needle")
+    fake.add_arguments = lambda p: [p.add_argument(f) for f in ("--report-dir", "--toggle", "--lengths", "--depths",
+                                                                "--model")]
+    fake.run = run
+    monkeypatch.setitem(sys.modules, "k3verify.commands.needle", fake)
+    stale = tmp_path / "gates" / unit["id"]
+    write_report(stale, build_report("earlier-attempt", "k3verify needle", {}, []))
+    return unit, run_all.Context(None, None, tmp_path, lambda m: None), stale
+
+
+def test_a_gate_rerun_on_resume_replaces_its_own_leftover_report(fake_gate_with_leftover):
+    """An interrupted gate unit leaves gates/<unit>/report.json (its own run id) but no unit file;
+    on resume it runs again with a new id. That leftover is this run's, so it is replaced."""
+    unit, ctx, stale = fake_gate_with_leftover
+    (r,) = run_all.run_unit(unit, ctx)
+    assert (r["status"], r["reason"]) == ("pass", "fake gate")
+    assert json.loads((stale / "report.json").read_text())["run_id"] != "earlier-attempt"
+
+
+def test_negative_control_a_kept_leftover_blocks_the_gate(fake_gate_with_leftover, monkeypatch):
+    """Without clearing it, the ownership rule refuses the rerun: the clearing is what makes resume work."""
+    unit, ctx, stale = fake_gate_with_leftover
+    monkeypatch.setattr(run_all.shutil, "rmtree", lambda path: None)
+    (r,) = run_all.run_unit(unit, ctx)
+    assert r["status"] == "error" and "already holds run earlier-attempt" in r["reason"]

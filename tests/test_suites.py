@@ -144,3 +144,94 @@ def test_gate_arguments_the_command_rejects_are_a_usage_error(tmp_path):
     unit = suites.expand(suites.parse_suite(_suite('[[check]]\nkind = "needle"\nargs = ["--no-such-flag"]\n')))[0]
     with pytest.raises(UsageError, match=r"check 'needle': k3verify needle rejects"):
         run_all.gate_args(unit, None, tmp_path)
+
+
+# ---- the pre-check refuses every value the run would refuse (issue 16.8) -----------------
+
+@pytest.mark.parametrize("body, match", [
+    pytest.param('[[check]]\nkind = "gsm8k"\nlimit = 0\n', r"limit must be an integer >= 1 \(questions\), got 0",
+                 id="gsm8k-limit-0"),
+    pytest.param('[[check]]\nkind = "needle"\nlengths = [10]\n',
+                 r"lengths \[10\]: length_tokens must be at least \d+ for this case", id="needle-too-short"),
+    pytest.param('[[check]]\nkind = "needle"\nlengths = [2000000]\n', r"lengths must be .* token counts in \[1, 1048576\]",
+                 id="needle-too-long"),
+    pytest.param('[[check]]\nkind = "needle"\nlengths = [1024]\ndepths = []\n', r"depths must be a non-empty list",
+                 id="needle-no-depths"),
+    pytest.param('[[check]]\nkind = "selftest"\nscale = 100\n', r"scale must be a number in \(0, 64\], got 100",
+                 id="selftest-scale"),
+    pytest.param('[[check]]\nkind = "diff"\nseed = -1\n', r"seed must be an integer >= 0, got -1", id="negative-seed"),
+    pytest.param('[[check]]\nkind = "bench"\nargs = ["repeats=1"]\n', r"repeats must be an integer >= 2", id="bench-repeats"),
+    pytest.param('[[check]]\nkind = "bench"\nargs = ["workload=chat"]\n', r"workload must be one of agentic, decode, prefill",
+                 id="bench-workload"),
+    pytest.param('[[check]]\nkind = "bench"\nargs = ["scale=big"]\n', r"scale must be a number in \(0, 64\], got 'big'",
+                 id="bench-scale"),
+    pytest.param('[[check]]\nkind = "bench"\nargs = ["repeat=3"]\n', r"expected key=value with key one of .*did you mean 'repeats'",
+                 id="bench-unknown-key"),
+    pytest.param('[[check]]\nkind = "bench"\nargs = ["--repeats", "3"]\n', r"expected key=value", id="bench-flag-style"),
+    pytest.param('[[check]]\nkind = "kvv"\nbase_url = "http://"\n', r"base_url must be an http\(s\) URL with a host",
+                 id="kvv-no-host"),
+    pytest.param('[[check]]\nkind = "kvv"\nbase_url = "ftp://h/v1"\n', r"base_url must be an http\(s\) URL", id="kvv-ftp"),
+    pytest.param('[[check]]\nkind = "gsm8k"\nargs = ["--report-dir", "x"]\n', r"args may not set --report-dir",
+                 id="args-report-dir"),
+    pytest.param('[[check]]\nkind = "needle"\nargs = ["--json"]\n', r"args may not set --json", id="args-json"),
+    pytest.param('[[check]]\nkind = "gsm8k"\nargs = ["--model=k3-mini"]\n', r"args may not set --model", id="args-model"),
+    pytest.param('[[check]]\nkind = "gsm8k"\nargs = ["--limit", "5"]\n', r"args may not set --limit: use the suite key 'limit'",
+                 id="args-shadow-a-key"),
+    pytest.param('[[check]]\nkind = "kvv"\nargs = ["--self"]\n', r"args may not set --self: use the suite key 'base_url'",
+                 id="kvv-args-self"),
+])
+def test_values_the_run_would_refuse_are_refused_by_the_suite(body, match):
+    with pytest.raises(UsageError, match=match) as info:
+        suites.parse_suite(_suite(body), path="bad.toml")
+    assert "\n" not in str(info.value) and str(info.value).startswith("bad.toml: check 1")
+
+
+@pytest.mark.parametrize("body", [
+    '[[check]]\nkind = "gsm8k"\nlimit = 1\n',
+    '[[check]]\nkind = "needle"\nlengths = [512, 108000]\n',
+    '[[check]]\nkind = "bench"\nargs = ["workload=agentic", "scale=0.5", "repeats=2"]\n',
+    '[[check]]\nkind = "kvv"\nbase_url = "http://127.0.0.1:8000/v1"\nargs = ["--only", "params"]\n',
+], ids=["limit-1", "needle-512-and-108k", "bench-args", "kvv-url"])
+def test_negative_control_the_boundary_values_pass(body):
+    suites.parse_suite(_suite(body), path="ok.toml")
+
+
+@pytest.mark.parametrize("kind, args, match", [
+    ("needle", ["--samples", "0"], r"--samples must be >= 1, got 0"),
+    ("needle", ["--distractors", "20"], r"length_tokens must be at least \d+"),      # 20 needles do not fit in 1024
+    ("needle", ["--min-recall", "2"], r"--min-recall is a fraction"),
+    ("gsm8k", ["--num-fewshot", "-1"], r"--num-fewshot must be >= 0"),
+    ("gsm8k", ["--margin", "5"], r"--margin is a fraction"),
+    ("kvv", ["--max-tokens", "0"], r"--max-tokens must be >= 1"),
+    ("kvv", ["--only", "nosuch"], r"--only 'nosuch': no KVV check starts with it"),
+], ids=["needle-samples", "needle-distractors", "needle-min-recall", "gsm8k-fewshot", "gsm8k-margin",
+        "kvv-max-tokens", "kvv-only"])
+def test_gate_arguments_the_run_would_refuse_fail_the_precheck(kind, args, match, tmp_path):
+    """The gate command's own validate(args) runs in the pre-check: what its run() refuses first."""
+    unit = suites.expand(suites.parse_suite(_suite(f'[[check]]\nkind = "{kind}"\nargs = {args!r}\n'.replace("'", '"'))))[0]
+    with pytest.raises(UsageError, match=match):
+        run_all.gate_args(unit, None, tmp_path)
+
+
+def test_all_refuses_a_bad_gate_argument_before_the_first_unit_runs(tmp_path, capsys):
+    """The cheap diff unit comes first; the needle unit's bad argument must stop the run before it."""
+    path = tmp_path / "s.toml"
+    path.write_text(_suite('[[check]]\nkind = "diff"\ntoggles = ["prefill_step_api"]\nscenarios = ["single"]\n'
+                           'scale = 0.25\n[[check]]\nkind = "needle"\nlengths = [512]\nargs = ["--samples", "0"]\n'))
+    assert cli.main(["all", "--suite", str(path), "--report-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "check 'needle': k3verify needle would refuse it: --samples must be >= 1" in err
+    assert not (tmp_path / "run").exists(), "no plan, no unit file: nothing ran"
+
+
+def test_suite_file_that_is_not_utf8_is_one_line(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_bytes(b'version = 1\n# \xff\n[[check]]\nkind = "golden"\n')
+    with pytest.raises(UsageError, match=r"bad.toml: a suite is UTF-8 TOML text; byte 0xff at offset 14 is not UTF-8"):
+        suites.load_suite(str(bad))
+
+
+def test_resume_of_a_plan_that_is_not_utf8_is_one_line(tmp_path):
+    (tmp_path / "plan.json").write_bytes(b"\xff\xfe{}")
+    with pytest.raises(UsageError, match=r"cannot resume: no readable plan at"):
+        run_all.load_plan(tmp_path)

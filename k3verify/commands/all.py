@@ -9,20 +9,19 @@ caught, a gate failed), 2 when the run could not be made (bad suite, unknown tog
 """
 from __future__ import annotations
 
-import sys
+import argparse
 from pathlib import Path
 
-from rich.console import Group
-from rich.live import Live
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from k3verify.commands import add_json_flag, add_model_flag, console, emit_json, model_load_options
+from k3verify.commands import (REPORTS_DIR, add_json_flag, add_model_flag, command_line, console, emit_json,
+                               model_load_options)
+from k3verify.commands._costs import unit_cost_s
+from k3verify.commands._progress import Item, RunProgress
 from k3verify.errors import UsageError
 
 NAME = "all"
 HELP = "run a check suite (premerge, release or FILE): every toggle, gate and control; one report, a verdict per toggle"
-REPO = Path(__file__).resolve().parents[2]
 COLOURS = {"pass": "green", "fail": "red", "skip": "yellow", "error": "magenta", "inconclusive": "yellow",
            "counted": "green", "rejected": "red", "skipped": "yellow"}
 STATUSES = ("pass", "fail", "skip", "error", "inconclusive")  # report/schema.py STATUSES
@@ -39,51 +38,46 @@ def add_arguments(parser) -> None:
 
 
 class Display:
-    """Progress bar and a live per-toggle summary on a terminal; one line per unit otherwise."""
+    """The progress line (units done/total, elapsed, ETA from per-kind costs) and a live
+    per-toggle count on a terminal (stderr); off a terminal one plain line per unit on stderr."""
 
-    def __init__(self, plan: dict, con):
-        self.con, self.units = con, plan["units"]
+    def __init__(self, plan: dict, gate_args: dict[str, argparse.Namespace]):
+        items = [Item(u["id"], u["kind"], unit_cost_s(u, gate_args.get(u["id"]))) for u in plan["units"]]
         self.counts: dict[str, dict[str, int]] = {}
-        self.live_mode = con.is_terminal
-        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), console=con)
-        self.task = self.progress.add_task("starting", total=len(self.units))
-        self.live = Live(self._render(), console=con, refresh_per_second=4) if self.live_mode else None
+        self.bar = RunProgress("all", items, extra=self._table)
+        self.running = False
 
     def __enter__(self):
-        if self.live:
-            self.live.__enter__()
+        self.bar.__enter__()
         return self
 
     def __exit__(self, *exc):
-        if self.live:
-            self.live.__exit__(*exc)
+        self.bar.__exit__(*exc)
 
-    def _render(self):
+    def _table(self) -> Table:
         table = Table(title="so far", show_lines=False)
         for col in ("toggle", *STATUSES):
             table.add_column(col)
         for toggle, n in self.counts.items():
             table.add_row(toggle, *(f"[{COLOURS[s]}]{n[s]}[/]" if n[s] else "0" for s in STATUSES))
-        return Group(self.progress, table)
+        return table
 
     def start(self, unit: dict) -> None:
-        self.progress.update(self.task, description=f"{unit['id']}")
-        if not self.live_mode:
-            print(f"  {unit['id']} ...", file=sys.stderr, flush=True)
+        self.running = True
+        self.bar.step(f"{unit['id']} ...")
 
     def step(self, message: str) -> None:
-        self.progress.update(self.task, description=message[:70])
-        if not self.live_mode:
-            print(f"    {message}", file=sys.stderr, flush=True)
+        self.bar.note("  " + message)              # off a terminal: indented under its unit's line
 
     def done(self, unit: dict, rows: list[dict]) -> None:
         for r in rows:
             n = self.counts.setdefault(r["toggle"], dict.fromkeys(STATUSES, 0))
             n[r["status"]] += 1
-        self.progress.advance(self.task)
-        if self.live:
-            self.live.update(self._render())
+        if self.running:
+            self.bar.finish()
+        else:                                  # finished in an earlier attempt (--resume)
+            self.bar.skip()
+        self.running = False
 
 
 def verdict_table(report: dict) -> Table:
@@ -101,7 +95,7 @@ def _resume_dir(args) -> Path:
     if args.report_dir:
         return args.report_dir
     p = Path(args.resume)
-    return p if (p / "plan.json").is_file() else REPO / "reports" / args.resume
+    return p if (p / "plan.json").is_file() else REPORTS_DIR / args.resume
 
 
 def run(args) -> int:
@@ -111,7 +105,7 @@ def run(args) -> int:
     from k3verify.report import new_run_id
     from k3verify.suites import load_suite
 
-    command = "k3verify " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["all"] else "k3verify all"
+    command = command_line()
     if args.resume:
         run_dir = _resume_dir(args)
         plan = run_all.load_plan(run_dir)
@@ -125,16 +119,12 @@ def run(args) -> int:
         suite = load_suite(args.suite or "premerge")
         model = load_model(args.model, **model_load_options(args))
         run_id = new_run_id("all")
-        run_dir = args.report_dir or REPO / "reports" / run_id
-        if (run_dir / "plan.json").is_file():
-            raise UsageError(f"{run_dir} already holds a run; pass --resume to finish it or choose another --report-dir")
+        run_dir = args.report_dir or REPORTS_DIR / run_id     # a --report-dir holding a run: refused by the CLI
         plan = run_all.new_plan(suite, args.model, model, run_id, command)
-    for unit in plan["units"]:               # bad gate arguments: exit 2 before any work
-        if unit["kind"] in ("gsm8k", "needle", "kvv"):
-            run_all.gate_args(unit, plan["model"], run_dir / "gates" / unit["id"])
-    con = console()
-    with Display(plan, con) as display:
+    gate_args = run_all.precheck(plan, run_dir)   # what a unit would refuse: exit 2 before any work
+    with Display(plan, gate_args) as display:
         results, ran = run_all.execute(plan, model, run_dir, display=display)
+    con = console()
     report, paths = run_all.write_combined(plan, model, run_dir, results)
     con.print(verdict_table(report))
     s, nc = report["summary"], report["negative_controls"]

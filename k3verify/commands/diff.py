@@ -6,13 +6,14 @@ report.md, report.html and junit.xml. Exit 0 when the contract holds, 1 when it 
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from rich.table import Table
 
-from k3verify.commands import (add_device_flag, add_json_flag, add_model_flag, console, emit_json,
-                               model_load_options, requested_device)
+from k3verify.commands import (add_device_flag, add_json_flag, add_model_flag, command_line, console,
+                               emit_json, model_load_options, requested_device)
+from k3verify.commands._costs import diff_s
+from k3verify.commands._progress import Item, RunProgress
 
 NAME = "diff"
 HELP = "judge one toggle against the reference path (bitwise / drift budget) and write a report"
@@ -48,6 +49,18 @@ def results_table(results, title: str) -> Table:
     return table
 
 
+def _items(args) -> list[Item]:
+    """One progress item per (toggle, scenario) judge() will run, costed by the scenario's tokens."""
+    from optimized_stack import toggles as registry
+
+    from k3verify import verify
+    from k3verify.bench import scenario_tokens
+
+    return [Item(f"{name} on {sc.name}", "diff", diff_s(scenario_tokens(sc)))
+            for name in args.toggle
+            for sc in verify.scenarios_for(registry.get(name), args.scenario, args.scale, args.seed)]
+
+
 def run(args) -> int:
     from optimized_stack import load_model
     from optimized_stack import toggles as registry
@@ -65,14 +78,15 @@ def run(args) -> int:
         registry.get(name)                       # unknown names: exit 2 before any work
     for name in args.scenario or ():
         workloads.build(name)
+    items = _items(args)                         # builds the scenarios: a bad --scale is refused here
     model = load_model(args.model, device=requested_device(args), **model_load_options(args))
     con = console()
-    results = verify.judge(model, args.toggle, args.scenario, scale=args.scale, seed=args.seed,
-                           progress=lambda msg: print(f"  running {msg}", file=sys.stderr),
-                           world_size=args.world_size)
+    with RunProgress("diff", items, log_prefix="  running ") as bar:
+        results = verify.judge(model, args.toggle, args.scenario, scale=args.scale, seed=args.seed,
+                               progress=bar.step, world_size=args.world_size)
     run_id, default_dir = verify.default_report_dir("diff")
     out_dir = args.report_dir or default_dir
-    report, paths = verify.write(out_dir, run_id, "k3verify " + " ".join(sys.argv[1:]), model,
+    report, paths = verify.write(out_dir, run_id, command_line(), model,
                                  [r.to_dict() for r in results],
                                  seeds={"scenario_seed": args.seed, "world_size": args.world_size})
     con.print(results_table(results, f"diff {', '.join(args.toggle)}"))
@@ -85,8 +99,14 @@ def run(args) -> int:
     verdict = report["summary"]["verdict"]
     con.print(f"verdict: {verdict}  report: {paths['md']}")
     if args.json:
-        emit_json({"run_id": run_id, "verdict": verdict, "report": str(paths["json"]), "summary": report["summary"]})
+        emit_json({"run_id": run_id, "verdict": verdict, "report": str(paths["json"]), "summary": report["summary"],
+                   "results": _result_rows(report["results"])})
     return 0 if verdict == "pass" else 1
+
+
+def _result_rows(results: list[dict]) -> list[dict]:
+    """What the table shows, for scripts (`jq '.results[] | select(.status == "fail")'`)."""
+    return [{k: r.get(k) for k in ("toggle", "scenario", "check", "status", "reason")} for r in results]
 
 
 def _run_vllm(args) -> int:
@@ -99,12 +119,13 @@ def _run_vllm(args) -> int:
     results = judge_vllm(Path(args.model), args.toggle, seed=args.seed)
     run_id, default_dir = verify.default_report_dir("diff-vllm")
     out_dir = args.report_dir or default_dir
-    report, paths = verify.write(out_dir, run_id, "k3verify " + " ".join(sys.argv[1:]), None, results,
+    report, paths = verify.write(out_dir, run_id, command_line(), None, results,
                                  seeds={"prompt_seed": args.seed})
     con = console()
     con.print(results_table(results, f"diff --backend vllm {', '.join(args.toggle)}"))
     verdict = report["summary"]["verdict"]
     con.print(f"verdict: {verdict}  report: {paths['md']}")
     if args.json:
-        emit_json({"run_id": run_id, "verdict": verdict, "report": str(paths["json"]), "summary": report["summary"]})
+        emit_json({"run_id": run_id, "verdict": verdict, "report": str(paths["json"]), "summary": report["summary"],
+                   "results": _result_rows(report["results"])})
     return 0 if verdict == "pass" else 1

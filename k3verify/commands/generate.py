@@ -29,6 +29,12 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     if args.max_tokens < 1:
         raise UsageError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:   # argv bytes that are not UTF-8 arrive as surrogate escapes
+        raw = args.prompt.encode("utf-8", "surrogateescape")
+        at = len(args.prompt[:exc.start].encode("utf-8", "surrogateescape"))
+        raise UsageError(f"--prompt must be UTF-8 text; byte 0x{raw[at]:02x} at offset {at} is not UTF-8") from None
 
     import torch
 

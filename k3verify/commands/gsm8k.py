@@ -20,7 +20,10 @@ from urllib.parse import urlparse
 
 from rich.table import Table
 
-from k3verify.commands import add_json_flag, add_model_flag, console, emit_json, model_load_options, served_model
+from k3verify.commands import (add_json_flag, add_model_flag, command_line, console, emit_json, model_load_options,
+                               served_model)
+from k3verify.commands._costs import gsm8k_question_s
+from k3verify.commands._progress import Item, RunProgress
 from k3verify.errors import UsageError
 
 NAME = "gsm8k"
@@ -130,6 +133,23 @@ def _validate(args) -> None:
         registry.get(args.toggle)                 # unknown names: exit 2 before any work
 
 
+validate = _validate          # `k3verify all` runs the same checks on a suite's gate arguments before any work
+
+
+def _questions(args) -> int:
+    """How many questions each side answers (for the progress line): --limit, else the test split."""
+    from k3verify.evals.gsm8k import SYNTH_TEST_N
+
+    if args.dataset == "synth":
+        size = SYNTH_TEST_N
+    elif args.data_dir is not None and (args.data_dir / "test.jsonl").is_file():
+        with open(args.data_dir / "test.jsonl", encoding="utf-8", errors="replace") as f:
+            size = sum(1 for line in f if line.strip())
+    else:
+        size = 1319                       # openai/gsm8k's test split
+    return min(args.limit, size) if args.limit else size
+
+
 def summary_table(run) -> Table:
     table = Table(title=f"gsm8k {run.results[0]['scenario']}")
     for col in ("toggle", "filter", "reference", "candidate", "b", "c", "McNemar p", "bound", "MDE", "status"):
@@ -175,18 +195,21 @@ def run(args) -> int:
         model = load_model(args.model, **model_load_options(args))
         ref_fn = greedy_generate_fn(model, load_tokenizer(args.model))
         where = "embedded " + (args.model or "default model")
-    cand_fn = quality.toggled(ref_fn, [args.toggle]) if args.toggle else None
-    gate = quality.gsm8k_gate(
-        ref_fn, cand_fn, toggle=args.toggle, margin=args.margin, alpha=args.alpha, beta=args.beta,
-        min_accuracy=args.min_accuracy, smoke=args.smoke,
-        progress=lambda msg: print(f"  running {msg}", file=sys.stderr),
-        dataset=args.dataset, data_dir=args.data_dir, limit=args.limit, num_fewshot=args.num_fewshot,
-        seed=args.fewshot_seed, max_new_tokens=args.max_new_tokens)
+    per_question = gsm8k_question_s(args.max_new_tokens, args.num_fewshot)
+    items = [Item("question", "gsm8k", per_question)] * (_questions(args) * (2 if args.toggle else 1))
+    with RunProgress("gsm8k", items, log_prefix="  running ") as bar:
+        ref_fn = bar.counting(ref_fn)     # one item per question answered, either side
+        cand_fn = quality.toggled(ref_fn, [args.toggle]) if args.toggle else None
+        gate = quality.gsm8k_gate(
+            ref_fn, cand_fn, toggle=args.toggle, margin=args.margin, alpha=args.alpha, beta=args.beta,
+            min_accuracy=args.min_accuracy, smoke=args.smoke, progress=bar.note,
+            dataset=args.dataset, data_dir=args.data_dir, limit=args.limit, num_fewshot=args.num_fewshot,
+            seed=args.fewshot_seed, max_new_tokens=args.max_new_tokens)
     if args.base_url is not None:  # the report must say which server answered, not only the command line
         for r in gate.results:
             r["endpoint"] = {"base_url": args.base_url, "model_name": model_name}
     run_id, default_dir = verify.default_report_dir("gsm8k")
-    report, paths = verify.write(args.report_dir or default_dir, run_id, "k3verify " + " ".join(sys.argv[1:]),
+    report, paths = verify.write(args.report_dir or default_dir, run_id, command_line(),
                                  model, gate.results, seeds={"fewshot_seed": args.fewshot_seed})
     con = console()
     con.print(summary_table(gate))

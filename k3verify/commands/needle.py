@@ -15,7 +15,9 @@ from pathlib import Path
 
 from rich.table import Table
 
-from k3verify.commands import add_json_flag, add_model_flag, console, emit_json, model_load_options
+from k3verify.commands import add_json_flag, add_model_flag, command_line, console, emit_json, model_load_options
+from k3verify.commands._costs import needle_case_s
+from k3verify.commands._progress import Item, RunProgress
 from k3verify.errors import UsageError
 
 NAME = "needle"
@@ -30,7 +32,7 @@ def _int_list(text: str) -> list[int]:
         values = [int(v.strip().replace("_", "")) for v in text.split(",") if v.strip()]
     except ValueError:
         raise UsageError(f"--lengths must be comma-separated token counts like 4096,8192, got {text!r}") from None
-    if not values or any(not 256 <= v <= MAX_LENGTH_TOKENS for v in values):
+    if not values or any(not 256 <= v <= MAX_LENGTH_TOKENS for v in values):   # the exact minimum: validate()
         raise UsageError(f"--lengths must be token counts in [256, {MAX_LENGTH_TOKENS}], got {text!r}")
     return values
 
@@ -81,8 +83,11 @@ def cells_table(gate) -> Table:
     return table
 
 
-def run(args) -> int:
-    from k3verify import quality, verify
+def validate(args) -> list:
+    """Every check run() makes before loading the model, and the cases (`k3verify all` calls it
+    in its pre-check, so a suite value the run would refuse is refused before any work)."""
+    from optimized_stack.errors import K3Error
+
     from k3verify.evals import needle
 
     lengths, depths = _int_list(args.lengths), _float_list(args.depths)
@@ -93,8 +98,17 @@ def run(args) -> int:
     if args.toggle is not None:
         from optimized_stack import toggles as registry
         registry.get(args.toggle)                 # unknown names: exit 2 before any work
-    cases = [c for s in range(args.seed, args.seed + args.samples)
-             for c in needle.grid(lengths, depths, seed=s, n_distractors=args.distractors)]
+    try:                                          # a case has a minimum length (header, question, needles)
+        return [c for s in range(args.seed, args.seed + args.samples)
+                for c in needle.grid(lengths, depths, seed=s, n_distractors=args.distractors)]
+    except K3Error as exc:
+        raise UsageError(f"--lengths {args.lengths} --distractors {args.distractors}: {exc}") from None
+
+
+def run(args) -> int:
+    from k3verify import quality, verify
+
+    cases = validate(args)
     fast, auto_reason = quality.choose_fast(max(c.length_tokens for c in cases), args.fast)
     if auto_reason:
         print(f"note: {auto_reason} (recorded in the report)", file=sys.stderr)
@@ -103,11 +117,14 @@ def run(args) -> int:
     from optimized_stack.tokenizer import load_tokenizer
     model = load_model(args.model, **model_load_options(args))
     tokenizer = load_tokenizer(args.model)
+    sides = 2 if args.toggle else 1              # the reference, then the candidate, case by case
+    items = [Item(c.name, "needle", needle_case_s(c.length_tokens)) for _ in range(sides) for c in cases]
     # the gate makes (and records) the same automatic choice from the same cases
-    gate = quality.needle_gate(model, tokenizer, cases, toggle=args.toggle, fast=args.fast,
-                               min_recall=args.min_recall, progress=lambda msg: print(f"  {msg}", file=sys.stderr))
+    with RunProgress("needle", items) as bar:
+        gate = quality.needle_gate(model, tokenizer, cases, toggle=args.toggle, fast=args.fast,
+                                   min_recall=args.min_recall, progress=bar.done)
     run_id, default_dir = verify.default_report_dir("needle")
-    report, paths = verify.write(args.report_dir or default_dir, run_id, "k3verify " + " ".join(sys.argv[1:]),
+    report, paths = verify.write(args.report_dir or default_dir, run_id, command_line(),
                                  model, gate.results, seeds={"needle_seed": args.seed, "samples": args.samples})
     con = console()
     con.print(cells_table(gate))

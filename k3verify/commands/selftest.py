@@ -2,13 +2,14 @@
 every real toggle passes. Exit 0 only if all hold."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from rich.table import Table
 
-from k3verify.commands import (add_device_flag, add_json_flag, add_model_flag, console, emit_json,
-                               model_load_options, requested_device)
+from k3verify.commands import (add_device_flag, add_json_flag, add_model_flag, command_line, console,
+                               emit_json, model_load_options, requested_device)
+from k3verify.commands._costs import SELFTEST_S
+from k3verify.commands._progress import Item, RunProgress
 
 NAME = "selftest"
 HELP = "run every toggle and every seeded-fault mutant; exit 0 only if all mutants are caught"
@@ -28,12 +29,17 @@ def run(args) -> int:
     from k3verify import verify
     from k3verify.selftest import run_selftest
 
+    from optimized_stack import toggles as registry
+
     device = requested_device(args)
     model = load_model(args.model, device=device, **model_load_options(args))
-    results = run_selftest(model, scale=args.scale, device=device, progress=lambda m: print(f"  selftest {m}", file=sys.stderr))
+    # run_selftest announces every toggle that runs on this device; each costs about the same
+    judged = [t for t in registry.all_toggles() if device in t.devices]
+    items = [Item(t.name, "selftest", SELFTEST_S * args.scale / max(1, len(judged))) for t in judged]
+    with RunProgress("selftest", items, log_prefix="  selftest ") as bar:
+        results = run_selftest(model, scale=args.scale, device=device, progress=bar.step)
     run_id, default_dir = verify.default_report_dir("selftest")
-    report, paths = verify.write(args.report_dir or default_dir, run_id, "k3verify " + " ".join(sys.argv[1:]),
-                                 model, results)
+    report, paths = verify.write(args.report_dir or default_dir, run_id, command_line(), model, results)
     table = Table(title="selftest")
     for col in ("toggle", "kind", "scenario", "status", "caught", "localised to", "reason"):
         table.add_column(col, overflow="fold")

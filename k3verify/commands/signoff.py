@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from k3verify.commands import add_json_flag, console, emit_json
+from k3verify.commands import REPORTS_DIR, add_json_flag, console, emit_json
 from k3verify.errors import UsageError
 
 NAME = "signoff"
 HELP = "write the release sign-off document from a `k3verify all` report; exit 1 unless signed off"
-REPO = Path(__file__).resolve().parents[2]
 
 
 def add_arguments(parser) -> None:
@@ -26,16 +25,20 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from k3verify.io import atomic_write_text
-    from k3verify.report import load_report
+    from k3verify.io import atomic_write_text, check_writable_file
+    from k3verify.report import REPORT_FILES, RUN_MARKERS, load_report, run_owner
     from k3verify.signoff import problems, render_signoff, report_sha256
 
-    path = args.report if args.report is not None else REPO / "reports" / args.run
+    path = args.report if args.report is not None else REPORTS_DIR / args.run
     if args.run is not None and not path.is_dir():
-        raise UsageError(f"no run {args.run!r} under {REPO / 'reports'}")
+        raise UsageError(f"no run {args.run!r} under {REPORTS_DIR}")
     report = load_report(path)
     text, signed = render_signoff(report)
     out = args.out or (path if path.is_dir() else path.parent) / "signoff.md"
+    if out.name in {*REPORT_FILES.values(), *RUN_MARKERS} and run_owner(out.parent) is not None:
+        raise UsageError(f"--out {out}: that is a file of run {run_owner(out.parent)[0]}; no command overwrites "
+                         f"a run's report: choose another file")
+    check_writable_file(out, "--out")
     atomic_write_text(out, text)
     con = console()
     for p in problems(report):

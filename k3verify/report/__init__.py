@@ -8,6 +8,11 @@
 write_report validates first and renders every view before touching the disk, so a
 bad report writes nothing; each file is replaced atomically; report.json goes last,
 so its presence means the views beside it belong to it.
+
+No run overwrites another run's report. A run directory names its run in report.json
+(or, for `k3verify all`, in plan.json, written first): writing into a directory that
+names a different run id is refused (claim_report_dir), before the run starts (the CLI)
+and again at write time (write_report). The same run resuming has the same id.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from k3verify.errors import UsageError
-from k3verify.io import atomic_write_json, atomic_write_text
+from k3verify.io import atomic_write_json, atomic_write_text, make_dir
 
 from .environment import environment_fingerprint
 from .render_html import render_html
@@ -33,9 +38,11 @@ from .schema import SCHEMA_VERSION, summarize, validate_report
 __all__ = [
     "SCHEMA_VERSION", "build_report", "environment_fingerprint", "load_report", "new_run_id", "render_html",
     "render_junit", "render_markdown", "summarize", "validate_report", "write_report", "REPORT_FILES",
+    "claim_report_dir", "run_owner",
 ]
 
 REPORT_FILES = {"json": "report.json", "md": "report.md", "html": "report.html", "junit": "junit.xml"}
+RUN_MARKERS = ("plan.json", REPORT_FILES["json"])     # what names a directory's run, first found wins
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,39}$")
 
 
@@ -84,12 +91,47 @@ def write_report(directory: str | os.PathLike, report: Mapping[str, Any]) -> dic
         "junit": render_junit(safe),
     }
     out_dir = Path(directory)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    claim_report_dir(out_dir, report["run_id"])
+    make_dir(out_dir)
     paths = {kind: out_dir / name for kind, name in REPORT_FILES.items()}
     for kind, text in rendered.items():
         atomic_write_text(paths[kind], text)
     atomic_write_json(paths["json"], safe, allow_nan=False)
     return paths
+
+
+def run_owner(directory: str | os.PathLike) -> tuple[str, str] | None:
+    """(run id, command) of the run a directory holds (its plan.json or report.json), or None.
+
+    An unreadable marker still means something is there: it is reported, not ignored."""
+    d = Path(directory)
+    if not d.is_dir():
+        return None
+    for name in RUN_MARKERS:
+        p = d / name
+        if not p.exists():
+            continue
+        try:
+            data = json.loads(p.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return ("?", f"an unreadable {name}")
+        if not isinstance(data, dict):
+            return ("?", f"a {name} that is not a run's")
+        return (str(data.get("run_id", "?")), str(data.get("command", name)))
+    return None
+
+
+def claim_report_dir(directory: str | os.PathLike, run_id: str | None, what: str = "--report-dir") -> None:
+    """Refuse a directory that holds another run's report or plan; run_id None means a new run
+    (every run found there is another's)."""
+    owner = run_owner(directory)
+    if owner is None or (run_id is not None and owner[0] == run_id):
+        return
+    found, command = owner
+    hint = (f"; to finish it: k3verify all --resume {found} --report-dir {directory}"
+            if command.startswith("k3verify all") and (Path(directory) / "plan.json").is_file() else "")
+    raise UsageError(f"{what} {directory} already holds run {found} ({command}); no run overwrites another's "
+                     f"report: choose another directory{hint}")
 
 
 def load_report(path: str | os.PathLike) -> dict[str, Any]:
