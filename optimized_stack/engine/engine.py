@@ -23,6 +23,7 @@ import itertools
 import torch
 
 from ..errors import K3Error
+from ..kernels.kda.grid import grid_in_force, grid_pieces
 from ..model.kda import KDAState
 from ..model.model import K3Model
 from .metrics import EngineMetrics, PrefixTrie
@@ -59,8 +60,13 @@ class Engine:
         if not isinstance(self.opts, EngineOptions):
             raise K3Error(f"Engine: expected EngineOptions, got {type(self.opts).__name__}")
         self.observers = list(observers)
-        self.store = PagedStore(model, self.opts) if self.opts.paged else PlainStore(model, self.opts)
-        self.scheduler = Scheduler(self.opts, self.store)
+        # the KDA grid in force (kernels/kda/grid.py): calls cut and state reused only on it
+        self.grid = grid_in_force(model.device, self.opts.kda_grid)
+        if self.grid and self.opts.block_size % self.grid:
+            raise K3Error(f"Engine: block_size {self.opts.block_size} is not a multiple of the KDA grid {self.grid}")
+        self.store = (PagedStore(model, self.opts, self.grid) if self.opts.paged
+                      else PlainStore(model, self.opts))
+        self.scheduler = Scheduler(self.opts, self.store, self.grid)
         self.metrics = EngineMetrics(cache_capacity_tokens=self.store.capacity_tokens())
         self.results: dict[str, RequestResult] = {}
         self.step_index = 0
@@ -158,6 +164,8 @@ class Engine:
             split = isinstance(self.store, PagedStore) and not req.draft
             cuts = [start] + (self.store.split_points(req, start, end) if split else []) + [end]
             pieces[req] = list(zip(cuts[:-1], cuts[1:]))
+            if self.grid and not req.draft:     # every call on the KDA grid (a verification is < grid)
+                pieces[req] = [q for a, b in pieces[req] for q in grid_pieces(a, b, len(req.prompt), self.grid)]
             if ("mut_chunk_resets_conv" in self.opts.faults and start > 0 and n > 1
                     and start < len(req.prompt)):
                 self.store.zero_conv(req)

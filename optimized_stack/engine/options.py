@@ -67,6 +67,9 @@ class EngineOptions:
     num_draft_tokens: int = 3
     drafter: str = "ngram"
     forced_acceptance: float | None = None
+    # KDA grid the engine cuts calls and reuses state on (kernels/kda/grid.py): None follows the
+    # KDA path in force (64 on the GPU profile, none on the CPU reference); 0 turns it off
+    kda_grid: int | None = None
     faults: frozenset[str] = field(default_factory=frozenset)
 
     def __post_init__(self) -> None:
@@ -97,6 +100,10 @@ class EngineOptions:
                               f"[1, num_draft_tokens + 1 = {self.num_draft_tokens + 1}], got {fa!r}")
             if self.speculative is None:
                 raise K3Error("engine option forced_acceptance requires speculative, which is off")
+        if self.kda_grid is not None and (isinstance(self.kda_grid, bool) or not isinstance(self.kda_grid, int)
+                                          or self.kda_grid < 0 or (self.kda_grid and self.block_size % self.kda_grid)):
+            raise K3Error(f"engine option kda_grid: expected None, 0 or a divisor of block_size {self.block_size}, "
+                          f"got {self.kda_grid!r}")
         if self.block_size % self.checkpoint_interval:
             raise K3Error(f"engine option checkpoint_interval: expected a divisor of block_size "
                           f"{self.block_size}, got {self.checkpoint_interval}")

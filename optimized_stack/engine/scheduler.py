@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from ..kernels.kda.grid import grid_end
 from ..model.model import RequestState
 from .options import EngineOptions, SamplingParams
 from .sampler import Sampler
@@ -68,9 +69,10 @@ class Store(Protocol):
 
 
 class Scheduler:
-    def __init__(self, opts: EngineOptions, store: Store):
+    def __init__(self, opts: EngineOptions, store: Store, grid: int | None = None):
         self.opts = opts
         self.store = store
+        self.grid = grid                                 # KDA grid (kernels/kda/grid.py) or None
         self.waiting: list[Request] = []                 # arrived, sorted by arrival
         self.running: list[Request] = []
         self.max_running = opts.max_num_seqs if opts.continuous_batching else 1
@@ -132,7 +134,15 @@ class Scheduler:
         if pending <= 1 or not self.opts.chunked_prefill:
             # decodes need budget; a whole (unchunked) prompt runs even past the budget
             return pending if (pending > 1 or budget > 0) else 0
-        return min(pending, budget)
+        n = min(pending, budget)
+        if self.grid and n > 0:
+            # a chunk stops on the KDA grid; below one grid step of budget it overruns to one step
+            start, prompt = req.num_computed, len(req.prompt)
+            stop = grid_end(start, start + n, prompt, self.grid)
+            if stop == start:
+                stop = grid_end(start, start + min(pending, self.grid), prompt, self.grid)
+            n = stop - start
+        return n
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

@@ -76,8 +76,12 @@ class PlainStore:
 
 
 class PagedStore:
-    def __init__(self, model: K3Model, opts: EngineOptions):
+    def __init__(self, model: K3Model, opts: EngineOptions, grid: int | None = None):
         self.model, self.opts = model, opts
+        # On a KDA grid (kernels/kda/grid.py) only state computed on the chunked path can be
+        # reused: checkpoints at grid points up to the computing request's aligned prompt length,
+        # MLA blocks that end there. Sub-block, tail and end-of-request checkpoints lie past it.
+        self.grid = grid
         cfg = model.config
         proto = model.new_state()
         self.mla_layers = [i for i, k in enumerate(cfg.layer_kinds) if k == MLA]
@@ -281,8 +285,19 @@ class PagedStore:
         self._register_full(req)
         late = "mut_ckpt_one_late" in self.faults
         point = end - 1 if late else end
-        if self.prefix.is_point(point):
+        if self._ckpt_point(req, point):
             self._save_checkpoint(req, point)
+
+    def _aligned(self, req: Request) -> int:
+        """Where the grid reference leaves the chunked path for this request."""
+        assert self.grid
+        return len(req.prompt) - len(req.prompt) % self.grid
+
+    def _ckpt_point(self, req: Request, n: int) -> bool:
+        assert self.prefix is not None
+        if not self.prefix.is_point(n):
+            return False
+        return not self.grid or (n % self.grid == 0 and n <= self._aligned(req))
 
     def split_points(self, req: Request, start: int, end: int) -> list[int]:
         """Positions inside (start, end) where a forward must stop so a checkpoint can be
@@ -291,7 +306,7 @@ class PagedStore:
         if self.prefix is None:
             return []
         shift = 1 if "mut_ckpt_one_late" in self.faults else 0
-        points = [p for p in range(start + 1 - shift, end - shift) if self.prefix.is_point(p)]
+        points = [p for p in range(start + 1 - shift, end - shift) if self._ckpt_point(req, p)]
         if points:
             self.prefix.chain(req.tokens, req.hashes, points[-1] // self.mla.block_size)
         return [p + shift for p in points if self.prefix.wants(self.prefix.key(req.tokens, req.hashes, p))]
@@ -300,6 +315,8 @@ class PagedStore:
         if self.prefix is None:
             return
         full = req.num_computed // self.mla.block_size
+        if self.grid:                            # blocks past the chunked path are not reusable
+            full = min(full, self._aligned(req) // self.mla.block_size)
         if full <= req.registered:
             return
         self.prefix.chain(req.tokens, req.hashes, full)
@@ -333,7 +350,8 @@ class PagedStore:
         return {i: t.clone() for i, t in self.mla.gather(req.blocks, req.num_computed).items()}
 
     def finish(self, req: Request) -> None:
-        if self.prefix is not None and self.opts.prefix_cache_subblock and req.num_computed:
+        if (self.prefix is not None and self.opts.prefix_cache_subblock and req.num_computed
+                and not self.grid):               # past the chunked path on a grid
             self._save_checkpoint(req, req.num_computed)
         self._release(req)
 
