@@ -66,11 +66,22 @@ def poisoned_weight(param: torch.nn.Parameter, index: tuple[int, ...], value: st
 @contextlib.contextmanager
 def candidate_poison(name: str, poison, contract: str = "exact") -> Iterator[str]:
     """A temporary toggle whose only effect is `poison()` (a context manager factory): the
-    candidate run is poisoned, the reference is not."""
+    candidate run is poisoned, the reference is not. Toggles switch only op-table slots, so the
+    poison is entered here, test-side, whenever `registry.applied` applies this toggle."""
     c = registry.Contract("approx", max_kl=1e-3, min_top1=0.99) if contract == "approx" else registry.EXACT
     registry.register(registry.Toggle(name=name, description="test only: poisons the candidate",
-                                      contract=c, touches=("logits",), patch=poison))
+                                      contract=c, touches=("logits",)))
+    real = registry.applied
+
+    @contextlib.contextmanager
+    def applied(names):
+        with real(names) as result:
+            with (poison() if name in names else contextlib.nullcontext()):
+                yield result
+
+    registry.applied = applied
     try:
         yield name
     finally:
+        registry.applied = real
         registry._REGISTRY.pop(name)
