@@ -8,7 +8,7 @@ only then; the CPU path never reaches it (its golden hashes are unchanged):
 | primitive (model/)       | CUDA form                                          | why a row's bits cannot depend on its batch |
 |--------------------------|----------------------------------------------------|---------------------------------------------|
 | ops.row_linear           | cuBLAS F.linear (bf16) or kernels/gemm/invariant.py| see "GEMM" below                            |
-| ops.rms_norm, ops.l2_norm| kernels/norm/rows.py                               | one program per row, fixed chunks, fp32     |
+| ops.rms_norm, ops.l2_norm, ops.row_sum | kernels/norm/rows.py                 | one program per row, fixed chunks, fp32     |
 | AttnResRead.mix          | kernels/attn_res/read.py                           | one program per token, candidates in order  |
 | mla.blocked_attention    | kernels/mla/attention.py                           | 64-key blocks to the query's causal limit   |
 | kda.kda_scan             | fla chunk_kda on the leading 64-aligned part, fused_recurrent_kda for the T mod 64 tail and for decode | chunk_kda is bitwise across 64-aligned cuts; fused_recurrent_kda gives T tokens in one call == T one-token calls (measured on the H200, NOTES.md) |
@@ -143,6 +143,13 @@ def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     from .norm.rows import l2_norm_rows
     lead, d = x.shape[:-1], x.shape[-1]
     return l2_norm_rows(x.reshape(-1, d), eps).reshape(*lead, d)
+
+
+def row_sum(x: torch.Tensor) -> torch.Tensor:
+    """ops.row_sum on CUDA: x.sum(-1, keepdim=True) per row of x [.., D], fp32 sum, x's dtype."""
+    from .norm.rows import row_sum as triton_row_sum
+    lead, d = x.shape[:-1], x.shape[-1]
+    return triton_row_sum(x.reshape(-1, d)).to(x.dtype).reshape(*lead, 1)
 
 
 def attn_res_mix(candidates: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.Tensor,
