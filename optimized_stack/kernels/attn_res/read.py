@@ -37,8 +37,8 @@ def _attn_res_read_kernel(v_ptr, q_ptr, out_ptr, NC, D, stride_c, stride_t, stri
     offs = tl.arange(0, BLOCK_D)
     cand = tl.arange(0, NC_P2)
     scores = tl.full([NC_P2], float("-inf"), dtype=tl.float32)
+    row = v_ptr + t * stride_t                              # candidate i's row: advanced by stride_c
     for i in range(0, NC):                                  # candidate scores, in order
-        row = v_ptr + i * stride_c + t * stride_t
         ss = tl.zeros([BLOCK_D], dtype=tl.float32)
         dq = tl.zeros([BLOCK_D], dtype=tl.float32)
         for d0 in range(0, D, BLOCK_D):
@@ -49,15 +49,18 @@ def _attn_res_read_kernel(v_ptr, q_ptr, out_ptr, NC, D, stride_c, stride_t, stri
             dq += v * q
         score = tl.sum(dq, axis=0) * tl.rsqrt(tl.sum(ss, axis=0) / D + eps)
         scores = tl.where(cand == i, score, scores)
+        row += stride_c
     e = tl.exp(scores - tl.max(scores, axis=0))             # padding candidates: exp(-inf) = 0
     p = e / tl.sum(e, axis=0)
     for d0 in range(0, D, BLOCK_D):                         # out = sum_i p_i V_i, i ascending
         m = d0 + offs < D
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        row = v_ptr + t * stride_t
         for i in range(0, NC):
             p_i = tl.sum(tl.where(cand == i, p, 0.0), axis=0)      # exact: one non-zero term
-            v = tl.load(v_ptr + i * stride_c + t * stride_t + d0 + offs, mask=m, other=0.0)
+            v = tl.load(row + d0 + offs, mask=m, other=0.0)
             acc += p_i * v.to(tl.float32)
+            row += stride_c
         tl.store(out_ptr + t * stride_o + d0 + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 

@@ -41,7 +41,7 @@ KEY_BLOCK = 64                  # keys per block: the fixed split size
 TILES: dict[torch.dtype, tuple[int, int, int]] = {
     torch.bfloat16: (32, 4, 2),
     torch.float16: (32, 4, 2),
-    torch.float32: (16, 4, 2),
+    torch.float32: (16, 4, 1),      # fp32 K and V tiles: one stage keeps shared memory < 100 KB
 }
 
 
@@ -52,8 +52,8 @@ def _causal_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, T, S, C, VD, s
                              BLOCK_V: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     pid_m = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)      # int64: S*H*C can pass 2^31
+    offs_n = tl.arange(0, BLOCK_N).to(tl.int64)
     offs_c = tl.arange(0, BLOCK_C)
     offs_v = tl.arange(0, BLOCK_V)
     row_ok = offs_m < T
@@ -69,7 +69,7 @@ def _causal_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, T, S, C, VD, s
     acc = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
     n_blocks = (tl.max(pos, axis=0) + BLOCK_N) // BLOCK_N      # up to the tile's furthest limit
     for j in range(0, n_blocks):
-        start = j * BLOCK_N
+        start = j * BLOCK_N                                                      # int32 scalar
         offs_s = start + offs_n
         s_ok = offs_s < S
         kt = tl.load(k_ptr + offs_s[None, :] * sk_s + h * sk_h + offs_c[:, None],
