@@ -14,7 +14,7 @@ from optimized_stack.kernels.kda.chunked import kda_chunked
 from optimized_stack.model import ops
 from optimized_stack.model.kda import kda_recurrent
 
-from triton_env import bit_equal, needs_triton
+from triton_env import DEVICE, bit_equal, needs_triton
 
 
 class Recorder:
@@ -184,10 +184,10 @@ def test_row_sum_on_cpu_is_torch_sum():
 @pytest.mark.parametrize("lead", [(5,), (2, 3)], ids=["2d", "3d"])
 def test_linear_triton_form_keeps_leading_dims(lead, monkeypatch):
     monkeypatch.setenv(gr.GEMM_ENV, "triton")
-    x, w = torch.randn(*lead, 32), torch.randn(24, 32)
+    x, w = torch.randn(*lead, 32, device=DEVICE), torch.randn(24, 32, device=DEVICE)
     y = gr.linear(x, w)
     assert y.shape == (*lead, 24)
-    assert float((y - x @ w.T).abs().max()) < 1e-4
+    assert float((y.cpu().double() - x.cpu().double() @ w.cpu().double().T).abs().max()) < 1e-4
 
 
 # ---- on a CUDA GPU: the model on the profile ---------------------------------------------------------------

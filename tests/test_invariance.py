@@ -17,7 +17,7 @@ from optimized_stack.kernels import gpu_reference
 from optimized_stack.model.model import K3Model
 from optimized_stack.presets import preset_config
 
-from triton_env import REASON, needs_triton
+from triton_env import DEVICE, REASON, needs_triton
 
 MS = (1, 3, 17, 64, 130)      # both sides of the 64-token grid; n = 130 spans three key blocks
 
@@ -98,10 +98,16 @@ def test_bit_equal_sees_signed_zero():
 
 # ---- through the interpreter (CI) or on a GPU: the whole check on k3-mini -------------------------------
 @pytest.fixture(scope="module")
-def mini_run(mini):
+def mini_dev():
+    """k3-mini where the kernels run: a GPU, else the CPU under the interpreter."""
     if REASON:
         pytest.skip(REASON)
-    return invariance.run(mini, MS)
+    return load_model("k3-mini", device=DEVICE)
+
+
+@pytest.fixture(scope="module")
+def mini_run(mini_dev):
+    return invariance.run(mini_dev, MS)
 
 
 @needs_triton
@@ -110,11 +116,14 @@ def test_check_passes_and_its_controls_fail(mini_run, mini):
     res = mini_run
     assert res.failures == [], res.failures[0]["reason"]
     assert len(res.results) == len(invariance.plan(mini)) * len(MS)
-    assert set(res.negative_controls_failed) == {"control_triton_gemm_block_k_by_rows",
-                                                  "control_kda_unaligned_cut"}, [c["reason"] for c in res.controls]
+    controls = {"control_triton_gemm_block_k_by_rows", "control_kda_unaligned_cut"}
+    if DEVICE == "cuda":
+        controls |= {"control_cublas_fp32_linear", "control_fla_chunk_varlen"}
+    assert set(res.negative_controls_failed) == controls, [c["reason"] for c in res.controls]
     assert res.passed and res.summary()["invariance"] == "pass"
     forms = {r["op"]: r["form"] for r in res.results}
-    assert forms["linear"] == "triton" and forms["kda_scan"].startswith("cpu stand-ins")
+    assert forms["linear"] == "triton"                       # fp32: the Triton GEMM in every profile
+    assert forms["kda_scan"].startswith("fla" if DEVICE == "cuda" else "cpu stand-ins")
 
 
 @needs_triton
@@ -127,7 +136,7 @@ def test_rows_fit_the_report_schema(mini_run):
 
 @needs_triton
 @pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
-def test_a_non_invariant_form_fails_with_op_shape_and_m(mini, monkeypatch):
+def test_a_non_invariant_form_fails_with_op_shape_and_m(mini_dev, monkeypatch):
     """Swap the profile's RMSNorm for one whose chunk width follows the row count: the check
     must fail, and say which op, shape and M."""
     from optimized_stack.kernels.norm.rows import rms_norm_rows
@@ -137,7 +146,7 @@ def test_a_non_invariant_form_fails_with_op_shape_and_m(mini, monkeypatch):
         x2 = x.reshape(-1, d)
         return rms_norm_rows(x2, w, eps, _block_d=16 if x2.shape[0] < 8 else None).reshape(x.shape)
     monkeypatch.setattr(gpu_reference, "rms_norm", drifting)
-    res = invariance.run(mini, (1, 3, 17), ops_filter=["rms_norm"], controls=False)
+    res = invariance.run(mini_dev, (1, 3, 17), ops_filter=["rms_norm"], controls=False)
     assert not res.passed
     bad = res.failures[0]
     assert bad["op"] == "rms_norm" and bad["m"] in (1, 3) and bad["first_divergence"]["row"] is not None
@@ -148,7 +157,7 @@ def test_a_non_invariant_form_fails_with_op_shape_and_m(mini, monkeypatch):
 @needs_triton
 @pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 def test_cli_writes_results_and_exits_by_verdict(tmp_path, capsys):
-    rc = invariance.main(["--device", "cpu", "--dtype", "float32", "--ops", "l2_norm,row_sum",
+    rc = invariance.main(["--device", DEVICE, "--dtype", "float32", "--ops", "l2_norm,row_sum",
                           "--ms", "1-3", "--out", str(tmp_path), "--tag", "t"])
     assert rc == 0, capsys.readouterr().out
     doc = json.loads((tmp_path / "invariance_t.json").read_text())
