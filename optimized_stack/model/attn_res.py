@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import ops
 from .ops import exp, rms_norm
 
 
@@ -25,7 +26,10 @@ class AttnResRead(nn.Module):
     @staticmethod
     def mix(candidates: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.Tensor,
             eps: float) -> torch.Tensor:
-        """candidates: N+1 tensors [T, D] (snapshots, then the partial sum) -> [T, D]."""
+        """candidates: N+1 tensors [T, D] (snapshots, then the partial sum) -> [T, D].
+        On CUDA: fused per token in one Triton kernel (kernels/attn_res/read.py)."""
+        if candidates[-1].is_cuda and not ops.gpu_reference().needs_autograd(*candidates, norm_w, proj_w):
+            return ops.gpu_reference().attn_res_mix(candidates, norm_w, proj_w, eps)
         vals = torch.stack(candidates).float()                              # [N+1, T, D]
         query = (norm_w.float() * proj_w.float().reshape(-1))               # [D]
         scores = (rms_norm(vals, None, eps) * query).sum(-1)                # [N+1, T]

@@ -54,6 +54,17 @@ def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     return out, state
 
 
+def kda_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+             initial_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference sequence op (a None kda_prefill / kda_decode slot): the recurrence above
+    on the CPU; on CUDA the GPU profile's fla kernels, chunk_kda on the leading 64-aligned part
+    and fused_recurrent_kda for the tail and for decode (kernels/gpu_reference.py kda_scan).
+    Same arguments and results as kda_recurrent."""
+    if q.is_cuda:
+        return ops.gpu_reference().kda_scan(q, k, v, g, beta, initial_state)
+    return kda_recurrent(q, k, v, g, beta, initial_state)
+
+
 @dataclass
 class KDATrace:
     """What the recurrence used per token, for speculative rollback (spec.py).
@@ -201,10 +212,10 @@ class KDAttention(nn.Module):
         """x [T, D] -> [T, D]; st (recurrent state and conv windows) is advanced in place."""
         q, k, v = self.qkv(x, st)
         g, beta = self.gates(x)
-        scan = (OPS.kda_decode if x.shape[0] == 1 else OPS.kda_prefill) or kda_recurrent
+        scan = (OPS.kda_decode if x.shape[0] == 1 else OPS.kda_prefill) or kda_scan
         o, st.recurrent = scan(q, k, v, g, beta, st.recurrent)
         return self.output(x, o)
 
 
-__all__ = ["KDAttention", "KDAState", "KDATrace", "kda_recurrent", "kda_recurrent_trace", "kda_replay",
+__all__ = ["KDAttention", "KDAState", "KDATrace", "kda_recurrent", "kda_recurrent_trace", "kda_replay", "kda_scan",
            "causal_conv", "ops"]

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..config import K3Config
+from . import ops
 from .ops import OPS, exp, rms_norm, sigmoid
 
 KEY_BLOCK = 64      # keys per block in the blocked softmax
@@ -26,7 +27,10 @@ QUERY_TILE = 64     # queries per tile (memory only; queries are independent)
 def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
                       scale: float) -> torch.Tensor:
     """Causal softmax attention, row-stable. q [T, H, C], k [S, H, C], v [S, H, Vd],
-    q_pos [T] absolute positions (query t sees keys 0..q_pos[t]). Returns [T, H, Vd] fp32."""
+    q_pos [T] absolute positions (query t sees keys 0..q_pos[t]). Returns [T, H, Vd] fp32.
+    On CUDA: the same blocks in one Triton kernel (kernels/mla/attention.py)."""
+    if q.is_cuda and not ops.gpu_reference().needs_autograd(q, k, v):
+        return ops.gpu_reference().attention(q, k, v, q_pos, scale)
     t_len, h, _ = q.shape
     s_len, vd = k.shape[0], v.shape[-1]
     n_blocks = -(-s_len // KEY_BLOCK)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..config import K3Config
+from . import ops
 from .ops import OPS, rms_norm, sigmoid, situ, swiglu
 
 
@@ -54,7 +55,7 @@ class Router(nn.Module):
         _, idx = torch.topk(biased, cfg.num_experts_per_token, dim=-1)             # selection only
         w = scores.gather(-1, idx)
         if cfg.moe_renormalize:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+            w = w / (ops.row_sum(w) + 1e-20)
         return idx, w * cfg.routed_scaling_factor
 
 

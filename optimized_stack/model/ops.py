@@ -41,11 +41,26 @@ ROW_TILE = 8  # rows per fixed-shape GEMM tile; see module docstring
 COL_TILE = 16
 
 
+_GPU_REFERENCE = None
+
+
+def gpu_reference():
+    """optimized_stack.kernels.gpu_reference: the CUDA forms of the reference primitives (the
+    GPU reference profile), imported on first CUDA use; a CPU run never imports it."""
+    global _GPU_REFERENCE
+    if _GPU_REFERENCE is None:
+        from ..kernels import gpu_reference as module
+        _GPU_REFERENCE = module
+    return _GPU_REFERENCE
+
+
 def row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """y = x @ weight.T, computed so each row's bits are independent of the batch. x [.., D]."""
     if x.device.type != "cpu":
-        # cuBLAS picks its kernel by the row count, so on a GPU this is NOT batch-invariant
-        # (measured on the H200: NOTES.md); tiled_row_linear is the invariant form there.
+        if x.is_cuda:
+            # the GPU profile: cuBLAS bf16 (row-invariant, re-proved by k3verify/invariance.py)
+            # or the fixed-tile Triton GEMM (fp32, or K3_GPU_GEMM=triton); see gpu_reference.py
+            return gpu_reference().linear(x, weight)
         return torch.nn.functional.linear(x, weight)
     return tiled_row_linear(x, weight)
 
@@ -118,7 +133,10 @@ def plain_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """Normalise in fp32, cast back, then multiply by the gain (used as is, no 1+w)."""
+    """Normalise in fp32, cast back, then multiply by the gain (used as is, no 1+w).
+    On CUDA: one Triton program per row (kernels/norm/rows.py), unless autograd needs a graph."""
+    if x.is_cuda and not gpu_reference().needs_autograd(x, weight):
+        return gpu_reference().rms_norm(x, weight, eps)
     x32 = x.float()
     y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     y = y.to(x.dtype)
@@ -126,9 +144,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 
 def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x * rsqrt(sum x^2 + eps): eps inside the root on the sum of squares (as fla)."""
+    """x * rsqrt(sum x^2 + eps): eps inside the root on the sum of squares (as fla).
+    On CUDA: one Triton program per row (kernels/norm/rows.py), unless autograd needs a graph."""
+    if x.is_cuda and not gpu_reference().needs_autograd(x):
+        return gpu_reference().l2_norm(x, eps)
     x32 = x.float()
     return (x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def row_sum(x: torch.Tensor) -> torch.Tensor:
+    """x.sum(-1, keepdim=True), row-invariant: torch's own sum on the CPU; on CUDA, where
+    torch's reduction splits a row differently by the row count, one Triton program per row."""
+    if x.is_cuda and not gpu_reference().needs_autograd(x):
+        return gpu_reference().row_sum(x)
+    return x.sum(-1, keepdim=True)
 
 
 def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:

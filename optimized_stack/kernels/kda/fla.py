@@ -3,7 +3,11 @@
 - `fla_chunk`: chunk_kda over one sequence with a start state (toggle kda_fla_chunk);
 - `fla_recurrent`: fused_recurrent_kda, the whole call in one kernel with the state in
   registers (toggle kda_fla_recurrent; the decode-step kernel);
-- `kda_chunk_batched`: chunk_kda over [B, T, ...] from a zero state, for training.
+- `kda_chunk_batched`: chunk_kda over [B, T, ...] from a zero state, for training;
+- `fla_chunk_varlen`: chunk_kda over several sequences packed along T (cu_seqlens), the
+  negative control of the GPU invariance check (k3verify/invariance.py): a packed batch is
+  NOT bit-identical to each sequence alone (measured on the H200, fla-core 0.6.0), which is
+  why the GPU reference runs KDA one request at a time.
 Op forms take the reference's arguments (model/ops.py): q, k, g [T, H, K], v [T, H, V],
 beta [T, H], state [H, K, V] fp32, and return (o [T, H, V] fp32, final state [H, K, V] fp32).
 q arrives l2-normed and scaled, so scale=1.0 and no in-kernel norm. fla is imported inside
@@ -61,3 +65,16 @@ def kda_chunk_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     o, _ = chunk_kda(q=q.to(io_dtype), k=k.to(io_dtype), v=v.to(io_dtype), g=g.float(),
                      beta=beta.float(), scale=1.0, initial_state=None, output_final_state=False)
     return o.float()
+
+
+def fla_chunk_varlen(q, k, v, g, beta, cu_seqlens: torch.Tensor, initial_state=None):
+    """chunk_kda over N sequences packed along T: q, k, g [T, H, K], v [T, H, V], beta [T, H],
+    cu_seqlens [N+1] int64 (sequence i is rows cu_seqlens[i]:cu_seqlens[i+1]), initial_state
+    [N, H, K, V] fp32 or None. Returns (o [T, H, V] fp32, final states [N, H, K, V] fp32)."""
+    from fla.ops.kda import chunk_kda
+    init = None if initial_state is None else initial_state.float().contiguous()
+    o, final = chunk_kda(q=q.unsqueeze(0), k=k.unsqueeze(0), v=v.unsqueeze(0),
+                         g=g.float().unsqueeze(0), beta=beta.float().unsqueeze(0), scale=1.0,
+                         initial_state=init, output_final_state=True,
+                         cu_seqlens=cu_seqlens.to(device=q.device, dtype=torch.long))
+    return o[0].float(), final.float()

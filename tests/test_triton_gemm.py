@@ -1,0 +1,75 @@
+"""The batch-invariant Triton GEMM (optimized_stack/kernels/gemm/invariant.py): close to an fp64
+product, rows bit-identical whatever the batch, a negative control that is caught, and one-line
+errors at the entry point. On a CPU it runs through Triton's interpreter (`make test-triton`)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from triton_env import DEVICE, MARKS, max_rel, row_mismatches, tol
+
+pytestmark = MARKS
+
+
+def _matmul():
+    from optimized_stack.kernels.gemm.invariant import matmul
+    return matmul
+
+
+def _inputs(m, k, n, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(dtype=dtype, device=DEVICE)
+    w = (torch.randn(n, k, generator=gen) * k ** -0.5).to(dtype=dtype, device=DEVICE)
+    return x, w
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("m,k,n", [(1, 16, 24), (13, 96, 40), (40, 130, 72)], ids=lambda v: str(v))
+def test_matches_fp64_product(m, k, n, dtype):
+    x, w = _inputs(m, k, n, dtype)
+    y = _matmul()(x, w)
+    assert y.dtype == dtype and y.shape == (m, n)
+    err = max_rel(y, x.double().cpu() @ w.double().cpu().T)
+    assert err <= tol(dtype), f"max rel error {err:.2e} above the {dtype} tolerance {tol(dtype):.0e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rows_are_batch_invariant(dtype):
+    x, w = _inputs(40, 160, 72, dtype, seed=1)
+    bad = row_mismatches(lambda t: _matmul()(t, w), x)
+    assert not bad, f"a row's bits depend on the batch: {bad}"
+
+
+def test_negative_control_block_k_by_rows_is_caught():
+    """BLOCK_K picked by the row count (16 below 8 rows, 32 otherwise), as an autotuner would:
+    fp32, where the changed K grouping shows (in bf16 the output rounding often hides it).
+    Differs on the interpreter too (numpy sums 16- vs 32-wide partial products)."""
+    x, w = _inputs(40, 160, 72, torch.float32, seed=2)
+    bad = row_mismatches(lambda t: _matmul()(t, w, _block_k_by_rows=True), x)
+    assert bad, "control not caught: a BLOCK_K that follows M passed the invariance test (test is void)"
+    assert all(int(b.split()[1]) < 8 for b in bad), bad
+
+
+def test_zero_sized_and_non_contiguous():
+    x, w = _inputs(10, 32, 20, torch.float32)
+    assert _matmul()(x[:0], w).shape == (0, 20)
+    xt = x.t().contiguous().t()                       # same values, column-major
+    assert torch.equal(_matmul()(xt, w), _matmul()(x, w))
+
+
+@pytest.mark.parametrize("x_shape,w_shape,dtype,match", [
+    ((2, 3, 4), (5, 4), torch.float32, r"x must be 2-D \[M, K\], got shape \[2, 3, 4\]"),
+    ((3, 4), (5, 4, 1), torch.float32, r"w must be 2-D \[N, K\], got shape \[5, 4, 1\]"),
+    ((3, 4), (5, 6), torch.float32, r"x \[M, K\] and w \[N, K\] must share K, got x \[3, 4\] and w \[5, 6\]"),
+    ((3, 4), (5, 4), torch.float64, r"x must be bfloat16, float16 or float32, got torch.float64"),
+], ids=["x-3d", "w-3d", "k-mismatch", "fp64"])
+def test_bad_input_one_line_errors(x_shape, w_shape, dtype, match):
+    from optimized_stack.errors import K3Error
+    with pytest.raises(K3Error, match=match):
+        _matmul()(torch.zeros(x_shape, dtype=dtype, device=DEVICE), torch.zeros(w_shape, dtype=dtype, device=DEVICE))
+
+
+def test_dtype_mismatch_error():
+    from optimized_stack.errors import K3Error
+    with pytest.raises(K3Error, match=r"w must have x's dtype torch.float32, got torch.bfloat16"):
+        _matmul()(torch.zeros(2, 4, device=DEVICE), torch.zeros(3, 4, dtype=torch.bfloat16, device=DEVICE))
