@@ -15,6 +15,10 @@ store writes rows [start, start+e) only), and the KDA state is rolled back:
 - replay_ssm: one checkpoint (the state before the step: the pool slot, untouched until
   commit) plus, per verified token, the (k, u, g) the recurrence used; rebuild by
   replaying the first e tokens with the very same sequential update and the stored gates.
+  Under a decode kernel (fla's fused_recurrent_kda on the GPU profile, or a kernel toggle)
+  the sequential update is the kernel's own arithmetic, so both strategies verify with that
+  kernel, and replay reruns it on the stored (q, k, v, g, beta) of the kept tokens: the same
+  kernel on the same inputs, the stored gates reused.
 Both compact the conv windows to the accepted tokens: the window after e tokens is rows
 e .. e+W-2 of [old window; pre-conv inputs of the verified tokens].
 
@@ -37,7 +41,7 @@ import torch
 from ..config import KDA
 from ..kernels.kda.chunked import kda_chunked
 from ..model import ops
-from ..model.kda import KDATrace, kda_recurrent, kda_recurrent_trace, kda_replay
+from ..model.kda import KDATrace, kda_recurrent_trace, kda_replay, kda_scan
 from ..model.model import K3Model, RequestState
 from ..model.ops import OPS
 from .options import EngineOptions
@@ -97,6 +101,7 @@ class _Layer:
     qvb: tuple[torch.Tensor, ...] = ()             # q, v, beta (closed-form mutant only)
     trace: KDATrace | None = None
     window_copies: tuple[torch.Tensor, ...] = ()   # copy_states: 3 x [T, W-1, C]
+    decode: object = None                          # the decode kernel verified with (None: the CPU recurrence)
 
 
 @dataclass
@@ -157,7 +162,7 @@ class Speculator:
         outer = {1: OPS.kda_decode, 0: OPS.kda_prefill}
 
         def passthrough(q, k, v, g, beta, state):
-            return (outer[int(q.shape[0] == 1)] or kda_recurrent)(q, k, v, g, beta, state)
+            return (outer[int(q.shape[0] == 1)] or kda_scan)(q, k, v, g, beta, state)
 
         def pre_hook(module, args):
             x, kst = args
@@ -178,9 +183,28 @@ class Speculator:
             rec, current[0] = current[0], None
             if rec is None:
                 return passthrough(q, k, v, g, beta, state)
-            o, final, rec.trace = kda_recurrent_trace(q, k, v, g, beta, state, keep_states=keep_states)
-            if keep_qvb:
-                rec.qvb = (q, v, beta)
+            decode = outer[1]
+            if decode is None and not q.is_cuda:
+                # the reference decode is the CPU recurrence: trace it (k, u, g per token)
+                o, final, rec.trace = kda_recurrent_trace(q, k, v, g, beta, state, keep_states=keep_states)
+                if keep_qvb:
+                    rec.qvb = (q, v, beta)
+                return o, final
+            # a decode kernel (fla's on the GPU profile): verify with that very kernel, one
+            # token per call for copy_states (the state after each), one call for replay (fla:
+            # T tokens in one call == T one-token calls); replay reruns it on the kept inputs
+            rec.decode = decode or kda_scan
+            rec.qvb = (q, v, beta)
+            if keep_states:
+                outs, states, st = [], [], state
+                for t in range(q.shape[0]):
+                    o_t, st = rec.decode(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], st)
+                    outs.append(o_t)
+                    states.append(st.clone())
+                rec.trace = KDATrace(k, torch.empty(0), g, torch.stack(states))
+                return torch.cat(outs), st
+            o, final = rec.decode(q, k, v, g, beta, state)
+            rec.trace = KDATrace(k, torch.empty(0), g)
             return o, final
 
         handles = [m.register_forward_pre_hook(pre_hook) for m in self.kda_layers.values()]
@@ -250,6 +274,9 @@ class Speculator:
             # solve) over the accepted tokens, equal to the recurrence only to rounding
             q, v, beta = (t[:kept] for t in rec.qvb)
             return kda_chunked(q, k, v, g, beta, rec.checkpoint)[1]
+        if rec.decode is not None:              # a decode kernel: rerun it on the kept inputs
+            q, v, beta = (t[:kept] for t in rec.qvb)
+            return rec.decode(q, k, v, g, beta, rec.checkpoint)[1]
         return kda_replay(rec.checkpoint, k, u, g)
 
 

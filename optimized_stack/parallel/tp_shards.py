@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..model import ops
-from ..model.kda import KDAState, causal_conv, kda_recurrent
+from ..model.kda import KDAState, causal_conv, kda_scan
 from ..model.mla import blocked_attention
 from ..model.ops import OPS, exp, l2_norm, rms_norm, sigmoid, silu, situ, swiglu
 from .launch import Comm, shard_range
@@ -85,7 +85,7 @@ class _KDAShard:
         a = exp(self.a_log.float()).view(1, h, 1)
         g = cfg.kda_gate_lower_bound * sigmoid(a * z) if cfg.variant == "k3" else -a * ops.softplus(z)
         beta = sigmoid(lin(x, self.b_w).float())
-        scan = (OPS.kda_decode if x.shape[0] == 1 else OPS.kda_prefill) or kda_recurrent
+        scan = (OPS.kda_decode if x.shape[0] == 1 else OPS.kda_prefill) or kda_scan
         o, st.recurrent = scan(q, k, v, g, beta, st.recurrent)
         o = rms_norm(o, self.o_norm.float(), cfg.rms_norm_eps)
         gate = lin(x, self.g_w) if self.g_a is None else lin(rep[1], self.g_w)

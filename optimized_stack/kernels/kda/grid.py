@@ -102,6 +102,7 @@ def grid_in_force(device: torch.device | str, setting: int | None = None) -> int
     if slot_grid is not None:
         return slot_grid
     if OPS.kda_prefill is None and torch.device(device).type == "cuda":
-        return GRID
+        from ..gpu_reference import kda_choice
+        return None if kda_choice() == "recurrent" else GRID      # K3_GPU_KDA=recurrent: any cut is exact
     return None
 

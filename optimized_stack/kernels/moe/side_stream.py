@@ -9,7 +9,10 @@ from ...model.moe import MoE
 _SIDE: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def moe_forward_side_stream(self, x: torch.Tensor, *, _tf32: bool = False) -> torch.Tensor:
+_STAGED: dict[tuple, torch.Tensor] = {}
+
+
+def moe_forward_side_stream(self, x: torch.Tensor, *, _tf32: bool = False, _stale: bool = False) -> torch.Tensor:
     """MoE.block with the shared expert on a second stream. The same ops on the same
     shapes as the reference, only overlapped: the side stream waits for x, the main stream
     waits for the shared output before the add, and the allocator is told the tensor is
@@ -19,11 +22,16 @@ def moe_forward_side_stream(self, x: torch.Tensor, *, _tf32: bool = False) -> to
     main = torch.cuda.current_stream(x.device)
     side = _SIDE.setdefault(x.device, torch.cuda.Stream(x.device))
     side.wait_stream(main)
+    x_side = x
+    if _stale:                # the seeded fault: a staging buffer reused before it is refilled
+        key = (id(self), tuple(x.shape), x.dtype)
+        x_side = _STAGED.get(key, x)
+        _STAGED[key] = x.clone()
     with torch.cuda.stream(side):
         saved = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = _tf32 or saved
         try:
-            shared = self.shared_experts(x)
+            shared = self.shared_experts(x_side)
         finally:
             torch.backends.cuda.matmul.allow_tf32 = saved
     y = self.routed_part(x)

@@ -53,9 +53,12 @@ register(Toggle(
     caught_by=("drift_budget",), lives_in="moe/ffn",
     ops={"moe_experts": functools.partial(routed_grouped, _slot0_weight=True)}))
 
+# On the GPU profile every fp32 GEMM is the Triton IEEE kernel and bf16 runs with TF32 off, so
+# a TF32 leak changes nothing any more (the first mutant of this toggle went void): the seeded
+# fault is a staging buffer the side stream reads before the main stream refilled it.
 register(Toggle(
-    name="mut_side_stream_tf32", kind="mutant", mutant_of="shared_expert_side_stream", contract=EXACT,
+    name="mut_side_stream_stale_input", kind="mutant", mutant_of="shared_expert_side_stream", contract=EXACT,
     touches=("logits",), devices=CUDA,
-    description="the side stream's shared expert runs with TF32 matmuls allowed (a helper that "
-                "flips torch.backends.cuda.matmul.allow_tf32)", caught_by=("logits",), lives_in="moe/ffn",
-    ops={"moe_block": functools.partial(moe_forward_side_stream, _tf32=True)}))
+    description="the side stream's shared expert reads the previous call's input (a reused staging "
+                "buffer read before it is refilled)", caught_by=("logits",), lives_in="moe/ffn",
+    ops={"moe_block": functools.partial(moe_forward_side_stream, _stale=True)}))
