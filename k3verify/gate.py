@@ -253,6 +253,8 @@ def applies(toggle, scenario, device: str = "cpu", world_size: int = 1) -> str |
     """None if the toggle applies to the scenario here; else the reason it does not."""
     if device not in toggle.devices:
         return f"toggle runs on {', '.join(toggle.devices)}, not {device}"
+    if device in toggle.not_exact_on:
+        return f"not exact on {device}: {toggle.not_exact_on[device]}"
     if world_size not in toggle.world_sizes:
         return f"toggle runs at world size {', '.join(map(str, toggle.world_sizes))}, not {world_size}"
     if toggle.scenario_tags and not set(toggle.scenario_tags) & set(scenario.tags):

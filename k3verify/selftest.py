@@ -60,6 +60,12 @@ def judge_one(model, toggle, refs: ReferenceRuns, scale: float, device: str, pro
     if progress:
         progress(f"{toggle.name} on {sc.name}")
     results = check_toggle(model, toggle.name, sc, references=refs)
+    if results and all(r.status == "skip" for r in results):     # e.g. not exact on this device: say so
+        out.append({"toggle": toggle.name, "kind": toggle.kind, "contract": toggle.contract.describe(),
+                    "check": "selftest", "scenario": sc.name, "status": "skip", "reason": results[0].reason,
+                    "findings": [], "first_divergence": None, "localization": None, "caught": None,
+                    "duration_s": 0.0, "speedup": None})
+        return
     failed = {r.check for r in results if r.status == "fail"}
     errors = [r for r in results if r.status == "error"]
     base = {"toggle": toggle.name, "kind": toggle.kind, "contract": toggle.contract.describe(),

@@ -84,6 +84,9 @@ class Toggle:
     runner: dict[str, Any] = field(default_factory=dict)
     # op-table slots it swaps (OpTable field -> implementation with the slot's signature)
     ops: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
+    # devices where an exact contract cannot hold, and why: judged there it is a skip stating
+    # the reason ("not exact on cuda: ..."), never a pass or a failure
+    not_exact_on: Mapping[str, str] = field(default_factory=dict)
     # other toggles that must be on for this one to mean anything
     requires: tuple[str, ...] = ()
     # scenarios (by tag) it applies to; empty = every scenario
@@ -106,6 +109,8 @@ class Toggle:
             raise K3Error(f"toggle {self.name!r}: caught_by {bad[0]!r}, expected some of {CHECKS}")
         if self.kind == "mutant" and not self.caught_by:
             raise K3Error(f"mutant {self.name!r}: must name the check that catches it (caught_by)")
+        if self.not_exact_on and self.contract.kind != "exact":
+            raise K3Error(f"toggle {self.name!r}: not_exact_on only qualifies an exact contract")
         slots = [f.name for f in fields(op_table.OpTable)]
         bad = [k for k in self.ops if k not in slots]
         if bad:
@@ -118,6 +123,7 @@ class Toggle:
                 "touches": list(self.touches), "description": self.description,
                 "devices": list(self.devices), "world_sizes": list(self.world_sizes),
                 "engine": dict(self.engine), "runner": dict(self.runner), "ops": sorted(self.ops),
+                "not_exact_on": dict(self.not_exact_on),
                 "requires": list(self.requires),
                 "scenario_tags": list(self.scenario_tags), "exercised_by": list(self.exercised_by),
                 "caught_by": list(self.caught_by),

@@ -26,6 +26,7 @@ Shape letters: T tokens, D hidden, N output features.
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, fields
 from typing import Callable, Iterator
 
@@ -42,15 +43,26 @@ COL_TILE = 16
 
 
 _GPU_REFERENCE = None
+_GPU_DEFAULTS = None
+GPU_PROFILE_ENV = "K3_GPU_PROFILE"
 
 
 def gpu_reference():
     """optimized_stack.kernels.gpu_reference: the CUDA forms of the reference primitives (the
-    GPU reference profile), imported on first CUDA use; a CPU run never imports it."""
-    global _GPU_REFERENCE
+    GPU reference profile), imported on first CUDA use; a CPU run never imports it.
+    K3_GPU_PROFILE=torch hands out kernels/gpu_defaults.py instead (torch's own, NOT invariant:
+    side B of the price-of-exactness measurement), read at every call so one process can
+    interleave both."""
+    global _GPU_REFERENCE, _GPU_DEFAULTS
     if _GPU_REFERENCE is None:
-        from ..kernels import gpu_reference as module
-        _GPU_REFERENCE = module
+        from ..kernels import gpu_defaults, gpu_reference as module
+        _GPU_REFERENCE, _GPU_DEFAULTS = module, gpu_defaults
+    choice = os.environ.get(GPU_PROFILE_ENV, "invariant")
+    if choice == "torch":
+        return _GPU_DEFAULTS
+    if choice != "invariant":
+        from ..errors import K3Error
+        raise K3Error(f"{GPU_PROFILE_ENV} must be 'invariant' or 'torch', got {choice!r}")
     return _GPU_REFERENCE
 
 

@@ -102,7 +102,12 @@ def grid_in_force(device: torch.device | str, setting: int | None = None) -> int
     if slot_grid is not None:
         return slot_grid
     if OPS.kda_prefill is None and torch.device(device).type == "cuda":
+        import os
+
+        from ...model.ops import GPU_PROFILE_ENV
         from ..gpu_reference import kda_choice
-        return None if kda_choice() == "recurrent" else GRID      # K3_GPU_KDA=recurrent: any cut is exact
+        if kda_choice() == "recurrent" or os.environ.get(GPU_PROFILE_ENV) == "torch":
+            return None                        # every call recurs, or no invariance is claimed at all
+        return GRID
     return None
 
