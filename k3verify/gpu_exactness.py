@@ -1,0 +1,438 @@
+"""The GPU exactness run (issue 18) in one process: is the GPU reference profile batch-invariant
+at every op and shape the models use, how far is it from the CPU fp32 reference, is every exact
+toggle bit-identical to it on the GPU, is every mutant caught, and what does exactness cost.
+
+    python -m k3verify.gpu_exactness --out DIR [--sections invariance,drift,fla,exact,approx,price]
+                                     [--budget-s S]
+
+Sections (in this order, most wanted first; each item is saved as it finishes, so a run cut by its
+time limit keeps what it measured):
+- invariance: k3verify/invariance.py on the embedded k3-mini and on k3-small, bf16 (every row op
+  at every shape, M = 1..32 ... 4096; negative controls fp32 cuBLAS, fla varlen, BLOCK_K by M);
+- drift: the GPU reference (bf16, the profile) against the CPU fp32 reference, teacher-forced on
+  the CPU tokens: KL, top-1, max |dlogit| / max |logit| per scenario, and per layer / sublayer on
+  one prompt; held against GPU_DRIFT_BUDGET;
+- fla: fla chunk_kda against fused_recurrent_kda at T around the 64-token grid and head sizes 16
+  and 128 (why kda_fla_chunk drifts where it does);
+- exact: every exact world-size-1 toggle judged bitwise against the GPU reference on its default
+  scenarios (verify.judge), then every mutant of those toggles (selftest.judge_one: caught?);
+- approx: the approx kernel toggles that run on CUDA and their mutants;
+- price: the same engine workload on the invariant profile and on torch's own forms
+  (K3_GPU_PROFILE=torch), interleaved A/B, ratio with a 95% interval (k3-small, bf16).
+summary.json (issue 18 item 6) is written beside the report at the end of every section.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from optimized_stack import load_model
+from optimized_stack import toggles as registry
+from optimized_stack.model.ops import GPU_PROFILE_ENV
+
+from . import invariance, verify, workloads
+from .bench import interleaved
+from .compare import compare_logits
+from .gate import ReferenceRuns
+from .io import atomic_write_json, atomic_write_text
+from .report.environment import environment_fingerprint
+from .runner import run_scenario
+from .selftest import judge_one
+
+# k3-mini work first (fla's head size 16), then k3-small's (head 128, compiled meanwhile)
+SECTIONS = ("invariance_mini", "drift", "exact", "approx", "fla", "invariance_small", "price")
+SCALE = 0.5                                   # scenario scale of the verdicts (one device call)
+DRIFT_SCENARIOS = ("single", "multi_length", "boundaries", "long_prompt")
+# Declared before the run: bf16 weights and activations against fp32 everywhere. A trained
+# model's argmax survives bf16 rounding on nearly every step; a structural fault (a wrong
+# state, a dropped snapshot) lands at KL > 0.1 and top-1 far below (NOTES.md, CPU mutants).
+GPU_DRIFT_BUDGET = {"max_kl": 5e-2, "min_top1": 0.95}
+
+
+class Run:
+    """Sections' items, saved (JSON + Markdown + summary.json) after every item."""
+
+    def __init__(self, out: Path, budget_s: float):
+        self.out, self.budget_s, self.t0 = out, budget_s, time.monotonic()
+        self.doc: dict[str, Any] = {"environment": environment_fingerprint(), "sections": {}, "log": []}
+
+    def left(self) -> float:
+        return self.budget_s - (time.monotonic() - self.t0)
+
+    def log(self, msg: str) -> None:
+        line = f"[{time.monotonic() - self.t0:6.1f}s] {msg}"
+        print(line, flush=True)
+        self.doc["log"].append(line)
+
+    def add(self, section: str, item: dict[str, Any]) -> None:
+        self.doc["sections"].setdefault(section, []).append(item)
+        self.save()
+
+    def save(self) -> None:
+        atomic_write_json(self.out / "gpu_exactness.json", self.doc, allow_nan=True)
+        atomic_write_json(self.out / "summary.json", summary(self.doc), allow_nan=True)
+        atomic_write_text(self.out / "gpu_exactness.md", render(self.doc))
+
+
+# ---- sections ---------------------------------------------------------------------------------------
+def section_invariance(run: Run, sources: list[tuple[str, str | None]]) -> None:
+    for label, src in sources:
+        if run.left() < 60:
+            run.add("invariance", {"model": label, "status": "skip", "reason": "time budget spent"})
+            continue
+        t0 = time.perf_counter()
+        model = load_model(src, device="cuda", dtype=torch.bfloat16)
+        res = invariance.run(model)
+        summ = res.summary()
+        item = {"model": label, "status": summ["invariance"], "rows": summ["rows"], "cases": summ["cases"],
+                "failed_rows": len(res.failures), "failures": [_slim(r) for r in res.failures[:12]],
+                "negative_controls": [_slim(c) for c in res.controls],
+                "negative_controls_failed": summ["negative_controls_failed"],
+                "profile": res.environment.get("profile"), "wall_s": time.perf_counter() - t0}
+        run.log(f"invariance {label}: {item['status']}: {item['rows']} rows, {item['failed_rows']} failed; "
+                f"controls failed as they must: {item['negative_controls_failed']}")
+        run.add("invariance", item)
+        del model
+        torch.cuda.empty_cache()
+
+
+def _probe_layers(model, ids: list[int]) -> dict[tuple[int, str], torch.Tensor]:
+    seen: dict[tuple[int, str], torch.Tensor] = {}
+    with model.probe(lambda layer, name, t: seen.setdefault((layer, name), t.detach().float().cpu())):
+        model.logits(torch.tensor(ids))
+    return seen
+
+
+def section_drift(run: Run, cpu_model, gpu_model) -> None:
+    for name in DRIFT_SCENARIOS:
+        sc = workloads.build(name, scale=SCALE)
+        ref = run_scenario(cpu_model, sc, (), keep=True)
+        force = {rid: rc.tokens for rid, rc in ref.requests.items()}
+        gpu = run_scenario(gpu_model, sc, (), keep=True, force=force)
+        rows_r, rows_g = [], []
+        for rid, r in ref.requests.items():
+            common = sorted(set(r.logits) & set(gpu.requests[rid].logits))
+            rows_r += [r.logits[p].tensor for p in common]
+            rows_g += [gpu.requests[rid].logits[p].tensor for p in common]
+        f = compare_logits(torch.stack(rows_r), torch.stack(rows_g), label=f"GPU vs CPU reference, {name}")
+        scale = float(torch.stack(rows_r).abs().max())
+        ok = f.kl_max <= GPU_DRIFT_BUDGET["max_kl"] and f.top1_agreement >= GPU_DRIFT_BUDGET["min_top1"]
+        item = {"scenario": name, "rows": f.n_rows, "kl_max": f.kl_max, "kl_mean": f.kl_mean,
+                "top1": f.top1_agreement, "max_abs": f.max_abs, "rel_to_max": f.max_abs / scale if scale else None,
+                "argmax_flips": f.argmax_flips, "status": "pass" if ok else "fail", "budget": GPU_DRIFT_BUDGET}
+        run.log(f"drift {name}: KL max {f.kl_max:.3g} mean {f.kl_mean:.3g}, top-1 {f.top1_agreement:.4f}, "
+                f"max|d|/max {item['rel_to_max']:.3g} -> {item['status']}")
+        run.add("drift", item)
+    sc = workloads.build("long_prompt", scale=SCALE)
+    ids = list(sc.requests[0].prompt_ids)
+    cpu_t, gpu_t = _probe_layers(cpu_model, ids), _probe_layers(gpu_model, ids)
+    per_layer = []
+    for key in sorted(cpu_t, key=lambda k: (k[0], k[1])):
+        a, b = cpu_t[key], gpu_t.get(key)
+        if b is None or a.shape != b.shape:
+            continue
+        m = float(a.abs().max())
+        per_layer.append({"layer": key[0], "sublayer": key[1],
+                          "rel_to_max": float((a - b).abs().max()) / m if m else 0.0})
+    run.add("drift_layers", {"prompt_tokens": len(ids), "points": per_layer})
+    run.log("drift per layer: " + ", ".join(f"{p['layer']}/{p['sublayer']} {p['rel_to_max']:.2g}"
+                                            for p in per_layer if p["sublayer"] in ("mixer", "ffn", "logits")))
+
+
+def section_fla(run: Run) -> None:
+    """chunk_kda vs fused_recurrent_kda on random inputs with the model's gate range."""
+    from optimized_stack.kernels.kda.fla import fla_chunk, fla_recurrent
+    for heads, dim in ((4, 16), (8, 128)):
+        for t_len in (1, 31, 63, 64, 65, 127, 128, 129):
+            gen = torch.Generator().manual_seed(t_len * 31 + dim)
+            x = torch.randn(t_len, heads, dim, generator=gen)
+            q = (torch.nn.functional.normalize(x, dim=-1) * dim ** -0.5).cuda()
+            k = torch.nn.functional.normalize(torch.randn(t_len, heads, dim, generator=gen), dim=-1).cuda()
+            v = torch.randn(t_len, heads, dim, generator=gen).cuda()
+            g = (-5 * torch.sigmoid(torch.randn(t_len, heads, dim, generator=gen))).cuda()
+            beta = torch.sigmoid(torch.randn(t_len, heads, generator=gen)).cuda()
+            s0 = (torch.randn(heads, dim, dim, generator=gen) * 0.1).cuda()
+            oc, sc_ = fla_chunk(q, k, v, g, beta, s0)
+            orr, sr = fla_recurrent(q, k, v, g, beta, s0)
+            item = {"heads": heads, "head_dim": dim, "tokens": t_len,
+                    "out_rel": float((oc - orr).abs().max() / orr.abs().max()),
+                    "state_rel": float((sc_ - sr).abs().max() / sr.abs().max())}
+            run.log(f"fla chunk vs recurrent H={heads} K={dim} T={t_len}: out {item['out_rel']:.2g} "
+                    f"state {item['state_rel']:.2g}")
+            run.add("fla", item)
+
+
+def exact_toggles() -> list[str]:
+    return [t.name for t in registry.all_toggles("optimization")
+            if t.contract.kind == "exact" and 1 in t.world_sizes and ("cuda" in t.devices or "cuda" in t.not_exact_on)]
+
+
+def section_exact(run: Run, gpu_model) -> None:
+    refs = ReferenceRuns(gpu_model)
+    names = exact_toggles()
+    for name in names:
+        if run.left() < 40:
+            run.add("exact", {"toggle": name, "status": "skip", "reason": "time budget spent"})
+            continue
+        t0 = time.perf_counter()
+        try:
+            results = verify.judge(gpu_model, [name], None, scale=SCALE, references=refs)
+            item = _verdict(name, results)
+        except Exception as exc:                  # a kernel that does not run is a verdict too
+            item = {"toggle": name, "status": "error", "reason": f"{type(exc).__name__}: {exc}"[:400]}
+        item["wall_s"] = time.perf_counter() - t0
+        run.log(f"exact {name}: {item['status']} {str(item.get('reason', ''))[:150]}")
+        run.add("exact", item)
+    _mutants(run, "exact_mutants", gpu_model, refs, names)
+
+
+def _verdict(name: str, results) -> dict[str, Any]:
+    by_sc: dict[str, dict[str, str]] = {}
+    for r in results:
+        by_sc.setdefault(r.scenario, {})[r.check] = r.status
+    bad = [r for r in results if r.status in ("fail", "error")]
+    ran = [r for r in results if r.status == "pass"]
+    if bad:
+        status, reason = "fail", f"{bad[0].scenario}/{bad[0].check}: {bad[0].reason}"
+    elif not ran:
+        reason = results[0].reason if results else "no scenario"
+        status = "not-exact-on-cuda" if reason.startswith("not exact on cuda") else "skip"
+    else:
+        status = "pass"
+        reason = f"bit-identical on {len(by_sc)} scenarios ({sum(1 for r in ran)} checks)"
+    return {"toggle": name, "status": status, "reason": reason, "scenarios": by_sc}
+
+
+def _mutants(run: Run, section: str, model, refs, of: list[str]) -> None:
+    for m in registry.all_toggles("mutant"):
+        if m.mutant_of not in of or "cuda" not in m.devices:
+            continue
+        if run.left() < 30:
+            run.add(section, {"toggle": m.name, "mutant_of": m.mutant_of, "status": "skip", "caught": None,
+                              "reason": "time budget spent"})
+            continue
+        out: list[dict] = []
+        t0 = time.perf_counter()
+        try:
+            judge_one(model, m, refs, SCALE, "cuda", None, out)
+            item = _slim(out[0])
+        except Exception as exc:
+            item = {"toggle": m.name, "status": "error", "reason": f"{type(exc).__name__}: {exc}"[:400]}
+        item.update(mutant_of=m.mutant_of, caught=item.get("status") == "pass", wall_s=time.perf_counter() - t0)
+        run.log(f"{section} {m.name}: {'caught' if item['caught'] else 'MISSED'} {str(item.get('reason'))[:140]}")
+        run.add(section, item)
+
+
+def section_approx(run: Run, gpu_model) -> None:
+    refs = ReferenceRuns(gpu_model)
+    names = [t.name for t in registry.all_toggles("optimization")
+             if t.contract.kind == "approx" and "cuda" in t.devices and 1 in t.world_sizes]
+    for name in names:
+        if run.left() < 40:
+            run.add("approx", {"toggle": name, "status": "skip", "reason": "time budget spent"})
+            continue
+        t0 = time.perf_counter()
+        try:
+            results = verify.judge(gpu_model, [name], None, scale=SCALE, references=refs)
+            bad = [r for r in results if r.status in ("fail", "error")]
+            worst = max((r.evidence.get("kl_max", 0.0) for r in results if r.evidence), default=None)
+            item = {"toggle": name, "status": "fail" if bad else "pass", "kl_max": worst,
+                    "reason": (f"{bad[0].scenario}: {bad[0].reason}" if bad else
+                               f"within budget on {len({r.scenario for r in results})} scenarios")}
+        except Exception as exc:
+            item = {"toggle": name, "status": "error", "reason": f"{type(exc).__name__}: {exc}"[:400]}
+        item["wall_s"] = time.perf_counter() - t0
+        run.log(f"approx {name}: {item['status']} {str(item.get('reason'))[:150]}")
+        run.add("approx", item)
+    _mutants(run, "approx_mutants", gpu_model, refs, names)
+
+
+def section_price(run: Run, model_src: str = "k3-small", repeats: int = 3) -> None:
+    from optimized_stack.engine import Engine, EngineOptions, SamplingParams
+    model = load_model(model_src, device="cuda", dtype=torch.bfloat16)
+    sc = workloads.build("multi_length", scale=1.0)
+    tokens = sum(r.max_new_tokens for r in sc.requests)
+
+    def engine_run() -> None:
+        eng = Engine(model, EngineOptions(continuous_batching=True, chunked_prefill=True, token_budget=512,
+                                          max_num_seqs=8))
+        for r in sc.requests:
+            eng.add_request(list(r.prompt_ids), SamplingParams(max_new_tokens=r.max_new_tokens, ignore_eos=True),
+                            request_id=r.request_id)
+        eng.run()
+        torch.cuda.synchronize()
+
+    def under(profile: str):
+        def go() -> None:
+            os.environ[GPU_PROFILE_ENV] = profile
+            try:
+                engine_run()
+            finally:
+                os.environ.pop(GPU_PROFILE_ENV, None)
+        return go
+
+    ab = interleaved(under("torch"), under("invariant"), repeats=repeats, tokens=tokens,
+                     labels=("torch defaults", "invariant profile"))
+    item = {"model": model_src, "workload": f"{sc.name}: {len(sc.requests)} requests, continuous batching + chunked "
+                                            f"prefill (budget 512), bf16", "repeats": repeats,
+            "seconds_torch": ab.times_a, "seconds_invariant": ab.times_b,
+            # > 1: the invariant profile is slower by this factor
+            "price_of_exactness": 1.0 / ab.ratio, "ci95": [1.0 / ab.ci_high, 1.0 / ab.ci_low],
+            "tokens_per_s_torch": tokens / sorted(ab.times_a)[len(ab.times_a) // 2],
+            "tokens_per_s_invariant": tokens / sorted(ab.times_b)[len(ab.times_b) // 2]}
+    run.log(f"price of exactness ({model_src}): {item['price_of_exactness']:.3f}x "
+            f"[{item['ci95'][0]:.3f}, {item['ci95'][1]:.3f}]")
+    run.add("price", item)
+
+
+# ---- summary and rendering --------------------------------------------------------------------------
+def _slim(item: dict[str, Any]) -> dict[str, Any]:
+    keep = ("toggle", "kind", "contract", "scenario", "status", "reason", "caught", "op", "shape", "m", "wall_s")
+    return {k: item.get(k) for k in keep if k in item}
+
+
+def summary(doc: dict[str, Any]) -> dict[str, Any]:
+    """summary.json of issue 18 item 6 (fields this run did not reach are null)."""
+    sec, env = doc.get("sections", {}), doc.get("environment", {})
+    exact = {}
+    for v in sec.get("exact", []):
+        st = v["status"]
+        exact[v["toggle"]] = f"not-exact-on-cuda: {v['reason'].removeprefix('not exact on cuda: ')}" \
+            if st == "not-exact-on-cuda" else st
+    muts = [m for m in sec.get("exact_mutants", []) + sec.get("approx_mutants", []) if m.get("status") != "skip"]
+    inv = sec.get("invariance", [])
+    price = sec.get("price", [{}])[-1] if sec.get("price") else {}
+    return {"device": env.get("cuda_device"), "torch": env.get("torch"), "fla": doc.get("fla"),
+            "driver": doc.get("driver"), "exact": exact,
+            "mutants": {"caught": sum(1 for m in muts if m.get("caught")), "total": len(muts),
+                        "not_judged": sum(1 for m in sec.get("exact_mutants", []) + sec.get("approx_mutants", [])
+                                          if m.get("status") == "skip")},
+            "invariance": {"pass": sum(1 for i in inv if i.get("status") == "pass"),
+                           "fail": sum(1 for i in inv if i.get("status") == "fail"),
+                           "negative_controls_failed": sum(len(i.get("negative_controls_failed", [])) for i in inv)},
+            "price_of_exactness": price.get("price_of_exactness"),
+            "drift": {"budget": GPU_DRIFT_BUDGET,
+                      "kl_max": max((d["kl_max"] for d in sec.get("drift", [])), default=None),
+                      "top1_min": min((d["top1"] for d in sec.get("drift", [])), default=None)}}
+
+
+def render(doc: dict[str, Any]) -> str:
+    env, sec = doc.get("environment", {}), doc.get("sections", {})
+    lines = ["# k3verify GPU exactness run", "",
+             f"- device: {env.get('cuda_device')}; torch {env.get('torch')}; cuda {env.get('cuda')}; "
+             f"driver {doc.get('driver', '?')}; fla {doc.get('fla', '?')}"]
+
+    def table(title: str, cols: tuple[str, ...], rows: list[tuple]) -> None:
+        lines.extend(["", f"## {title}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)])
+        lines.extend("| " + " | ".join(str(c) for c in r) + " |" for r in rows)
+
+    if sec.get("invariance"):
+        table("Batch invariance of the GPU reference profile (every op x shape x M)",
+              ("model", "verdict", "rows", "failed", "negative controls that failed (must)"),
+              [(i["model"], i["status"], i.get("rows"), i.get("failed_rows"), ", ".join(i.get("negative_controls_failed", [])))
+               for i in sec["invariance"]])
+    if sec.get("drift"):
+        table(f"GPU reference (bf16) vs CPU reference (fp32), teacher-forced; budget {GPU_DRIFT_BUDGET}",
+              ("scenario", "rows", "KL max", "KL mean", "top-1", "max|d|/max|ref|", "verdict"),
+              [(d["scenario"], d["rows"], f"{d['kl_max']:.3g}", f"{d['kl_mean']:.3g}", f"{d['top1']:.4f}",
+                f"{d['rel_to_max']:.3g}", d["status"]) for d in sec["drift"]])
+    if sec.get("fla"):
+        table("fla chunk_kda vs fused_recurrent_kda (random inputs, g in (-5, 0))",
+              ("H x K", "T", "output rel", "state rel"),
+              [(f"{f['heads']}x{f['head_dim']}", f["tokens"], f"{f['out_rel']:.2g}", f"{f['state_rel']:.2g}")
+               for f in sec["fla"]])
+    for key, title in (("exact", "Exact toggles on the GPU reference (bitwise: tokens, logits, KDA state, MLA rows)"),
+                       ("approx", "Approx toggles on CUDA (drift budget)")):
+        if sec.get(key):
+            table(title, ("toggle", "verdict", "why"), [(v["toggle"], v["status"], str(v.get("reason"))[:160])
+                                                       for v in sec[key]])
+    for key in ("exact_mutants", "approx_mutants"):
+        if sec.get(key):
+            table(f"Mutants ({key.split('_')[0]} toggles)", ("mutant", "of", "caught", "how"),
+                  [(m["toggle"], m.get("mutant_of"), {True: "yes", False: "NO"}.get(m.get("caught"), "not judged"),
+                    str(m.get("reason"))[:140]) for m in sec[key]])
+    if sec.get("price"):
+        table("Price of exactness (same workload, interleaved; > 1 = the invariant profile is slower)",
+              ("model", "workload", "torch tok/s", "invariant tok/s", "price [95% CI]"),
+              [(p["model"], p["workload"], f"{p['tokens_per_s_torch']:.0f}", f"{p['tokens_per_s_invariant']:.0f}",
+                f"{p['price_of_exactness']:.3f}x [{p['ci95'][0]:.3f}, {p['ci95'][1]:.3f}]") for p in sec["price"]])
+    lines += ["", "## Log", "", "```", *doc.get("log", []), "```", ""]
+    return "\n".join(lines)
+
+
+def _wait(run: Run, spec: str, tag: str, limit_s: float = 150.0) -> None:
+    """Wait (bounded) for a warm-up process's done-file, e.g. K3VERIFY_WAIT_FOR=16:/tmp/w16,128:/tmp/w128."""
+    paths = dict(p.split(":", 1) for p in spec.split(",") if ":" in p)
+    path = paths.get(tag)
+    if not path:
+        return
+    t0 = time.monotonic()
+    while not Path(path).exists() and time.monotonic() - t0 < min(limit_s, max(0.0, run.left() - 60)):
+        time.sleep(2)
+    run.log(f"warm-up {tag}: {'ready' if Path(path).exists() else 'not ready, going on'} after "
+            f"{time.monotonic() - t0:.0f} s")
+
+
+def _driver() -> str:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
+    except Exception:                         # noqa: BLE001 - a fingerprint field, never fatal
+        return "?"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m k3verify.gpu_exactness")
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--budget-s", type=float, default=500.0)
+    args = ap.parse_args(argv)
+    sections = [x for x in args.sections.split(",") if x]
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        print(f"error: unknown section {unknown[0]!r}; expected some of {', '.join(SECTIONS)}", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("error: the GPU exactness run needs CUDA; torch.cuda.is_available() is False", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    run = Run(args.out, args.budget_s)
+    run.doc["driver"] = _driver()
+    run.doc["fla"] = invariance._version("fla-core")
+    gpu_model = cpu_model = None
+    if set(sections) & {"invariance_mini", "drift", "exact", "approx"}:
+        gpu_model = load_model(None, device="cuda", dtype=torch.bfloat16)
+        cpu_model = load_model(None)
+    wait_for = os.environ.get("K3VERIFY_WAIT_FOR", "")       # files the warm-up processes write when done
+    steps = {"invariance_mini": lambda: section_invariance(run, [("k3-mini (embedded)", None)]),
+             "invariance_small": lambda: (_wait(run, wait_for, "128"),
+                                          section_invariance(run, [("k3-small", "k3-small")])),
+             "drift": lambda: section_drift(run, cpu_model, gpu_model), "fla": lambda: section_fla(run),
+             "exact": lambda: section_exact(run, gpu_model), "approx": lambda: section_approx(run, gpu_model),
+             "price": lambda: section_price(run)}
+    if sections and sections[0] in ("invariance_mini", "drift", "exact", "approx"):
+        _wait(run, wait_for, "16")
+    for name in SECTIONS:
+        if name not in sections:
+            continue
+        if name in ("fla", "price"):
+            _wait(run, wait_for, "128")
+        try:
+            steps[name]()
+        except Exception as exc:              # noqa: BLE001 - one section's crash must not lose the others
+            run.log(f"section {name} crashed: {type(exc).__name__}: {exc}")
+            run.add("errors", {"section": name, "reason": f"{type(exc).__name__}: {exc}"[:600]})
+    run.log("done")
+    run.save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

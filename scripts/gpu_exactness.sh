@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The one device command of the GPU exactness run (issue 18) on an nvidia-h200 (carry .whl:
+# fla-core). Results land in $OUT: gpu_exactness.{json,md}, summary.json, logs.tar.
+#   1. fla's kernels compile for head sizes 16 (k3-mini) and 128 (k3-small) in two background
+#      processes (Triton's disk cache keeps them: ~80 s each on a fresh machine);
+#   2. meanwhile (background) the kernel tests run natively on the GPU (the same files CI runs
+#      through Triton's interpreter);
+#   3. python -m k3verify.gpu_exactness: invariance, drift vs the CPU reference, every exact
+#      toggle and mutant, approx toggles, fla chunk vs recurrent, the price of exactness.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/k3-gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if [ -d .whl ] && [ ! -f /tmp/site/.k3-installed ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && touch /tmp/site/.k3-installed
+fi
+export PYTHONPATH=/tmp/site:$PWD
+nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader || true
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(0))'
+rm -f /tmp/k3-warm16 /tmp/k3-warm128
+(timeout 200 python3 scripts/gpu_warm_fla.py 16 > "$OUT/warm16.log" 2>&1; touch /tmp/k3-warm16) &
+(timeout 240 python3 scripts/gpu_warm_fla.py 128 > "$OUT/warm128.log" 2>&1; touch /tmp/k3-warm128) &
+(timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_triton_gemm.py tests/test_triton_norm.py \
+  tests/test_triton_attn_res.py tests/test_triton_mla_attention.py tests/test_gpu_reference.py \
+  tests/test_cuda_toggles.py > "$OUT/pytest_kernels.log" 2>&1) &
+K3VERIFY_WAIT_FOR=16:/tmp/k3-warm16,128:/tmp/k3-warm128 timeout "${RUN_TIMEOUT_S:-500}" \
+  python3 -m k3verify.gpu_exactness --out "$OUT" --budget-s "${RUN_BUDGET_S:-470}" ${SECTIONS:+--sections $SECTIONS}
+echo "gpu_exactness rc=$?"
+wait
+tail -3 "$OUT/pytest_kernels.log"
+(cd "$OUT" && tar -cf logs.tar ./*.log && rm -f ./*.log)
+ls -la "$OUT"
