@@ -47,7 +47,7 @@ from .runner import run_scenario
 from .selftest import judge_one
 
 # k3-mini work first (fla's head size 16), then k3-small's (head 128, compiled meanwhile)
-SECTIONS = ("invariance_mini", "drift", "exact", "approx", "fla", "invariance_small", "price")
+SECTIONS = ("invariance_mini", "controls", "exact", "mutants", "drift", "price", "invariance_small", "approx", "fla")
 SCALE = 0.5                                   # scenario scale of the verdicts (one device call)
 DRIFT_SCENARIOS = ("single", "multi_length", "boundaries", "long_prompt")
 # Declared before the run: bf16 weights and activations against fp32 everywhere. A trained
@@ -57,10 +57,11 @@ GPU_DRIFT_BUDGET = {"max_kl": 5e-2, "min_top1": 0.95}
 
 
 class Run:
-    """Sections' items, saved (JSON + Markdown + summary.json) after every item."""
+    """Sections' items, saved after every item: gpu_exactness[_TAG].json; without a tag also the
+    Markdown and summary.json (parallel lanes write tagged JSON, `--merge` joins them)."""
 
-    def __init__(self, out: Path, budget_s: float):
-        self.out, self.budget_s, self.t0 = out, budget_s, time.monotonic()
+    def __init__(self, out: Path, budget_s: float, tag: str = ""):
+        self.out, self.budget_s, self.t0, self.tag = out, budget_s, time.monotonic(), tag
         self.doc: dict[str, Any] = {"environment": environment_fingerprint(), "sections": {}, "log": []}
 
     def left(self) -> float:
@@ -76,9 +77,32 @@ class Run:
         self.save()
 
     def save(self) -> None:
-        atomic_write_json(self.out / "gpu_exactness.json", self.doc, allow_nan=True)
-        atomic_write_json(self.out / "summary.json", summary(self.doc), allow_nan=True)
-        atomic_write_text(self.out / "gpu_exactness.md", render(self.doc))
+        if self.tag:
+            atomic_write_json(self.out / f"gpu_exactness_{self.tag}.json", self.doc, allow_nan=True)
+            return
+        write_all(self.out, self.doc)
+
+
+def write_all(out: Path, doc: dict[str, Any]) -> None:
+    atomic_write_json(out / "gpu_exactness.json", doc, allow_nan=True)
+    atomic_write_json(out / "summary.json", summary(doc), allow_nan=True)
+    atomic_write_text(out / "gpu_exactness.md", render(doc))
+
+
+def merge(paths: list[Path]) -> dict[str, Any]:
+    """Lanes' documents into one: sections concatenated in lane order, logs prefixed by lane."""
+    import json
+    doc: dict[str, Any] = {"sections": {}, "log": [], "lanes": []}
+    for p in paths:
+        lane = json.loads(p.read_text(encoding="utf-8"))
+        tag = p.stem.removeprefix("gpu_exactness_")
+        doc["lanes"].append(tag)
+        for key in ("environment", "driver", "fla"):
+            doc.setdefault(key, lane.get(key))
+        for name, items in lane.get("sections", {}).items():
+            doc["sections"].setdefault(name, []).extend(items)
+        doc["log"] += [f"[{tag}] {line}" for line in lane.get("log", [])]
+    return doc
 
 
 # ---- sections ---------------------------------------------------------------------------------------
@@ -103,6 +127,18 @@ def section_invariance(run: Run, sources: list[tuple[str, str | None]]) -> None:
         torch.cuda.empty_cache()
 
 
+def section_controls(run: Run) -> None:
+    """invariance's negative controls alone (each must FAIL its comparison), on k3-mini bf16."""
+    model = load_model(None, device="cuda", dtype=torch.bfloat16)
+    cases = invariance.plan(model)
+    ms = invariance.DEFAULT_MS
+    for c in invariance.negative_controls(cases, ms, ms[-1], model.lm_head.weight.device):
+        item = _slim(c)
+        run.log(f"control {item['toggle']}: {'failed as it must' if item.get('caught') else 'NOT CAUGHT'}: "
+                f"{str(item.get('reason'))[:140]}")
+        run.add("controls", item)
+
+
 def _probe_layers(model, ids: list[int]) -> dict[tuple[int, str], torch.Tensor]:
     seen: dict[tuple[int, str], torch.Tensor] = {}
     with model.probe(lambda layer, name, t: seen.setdefault((layer, name), t.detach().float().cpu())):
@@ -110,26 +146,56 @@ def _probe_layers(model, ids: list[int]) -> dict[tuple[int, str], torch.Tensor]:
     return seen
 
 
+def _with_profile(profile: str | None, fn):
+    if profile is None:
+        return fn()
+    os.environ[GPU_PROFILE_ENV] = profile
+    try:
+        return fn()
+    finally:
+        os.environ.pop(GPU_PROFILE_ENV, None)
+
+
 def section_drift(run: Run, cpu_model, gpu_model) -> None:
+    """The judged row: the bf16 profile. Diagnostics beside it (not judged): the same profile in
+    fp32 (the kernels' own error, ~fp32 rounding if they are right) and torch's own bf16 forms
+    (what bf16 alone costs, with no invariant kernel involved)."""
+    fp32_model = load_model(None, device="cuda", dtype=torch.float32)
+    modes = [("bf16 invariant profile", gpu_model, None, True),
+             ("fp32 invariant profile", fp32_model, None, False),
+             ("bf16 torch defaults", gpu_model, "torch", False)]
     for name in DRIFT_SCENARIOS:
         sc = workloads.build(name, scale=SCALE)
         ref = run_scenario(cpu_model, sc, (), keep=True)
         force = {rid: rc.tokens for rid, rc in ref.requests.items()}
-        gpu = run_scenario(gpu_model, sc, (), keep=True, force=force)
-        rows_r, rows_g = [], []
-        for rid, r in ref.requests.items():
-            common = sorted(set(r.logits) & set(gpu.requests[rid].logits))
-            rows_r += [r.logits[p].tensor for p in common]
-            rows_g += [gpu.requests[rid].logits[p].tensor for p in common]
-        f = compare_logits(torch.stack(rows_r), torch.stack(rows_g), label=f"GPU vs CPU reference, {name}")
-        scale = float(torch.stack(rows_r).abs().max())
-        ok = f.kl_max <= GPU_DRIFT_BUDGET["max_kl"] and f.top1_agreement >= GPU_DRIFT_BUDGET["min_top1"]
-        item = {"scenario": name, "rows": f.n_rows, "kl_max": f.kl_max, "kl_mean": f.kl_mean,
-                "top1": f.top1_agreement, "max_abs": f.max_abs, "rel_to_max": f.max_abs / scale if scale else None,
-                "argmax_flips": f.argmax_flips, "status": "pass" if ok else "fail", "budget": GPU_DRIFT_BUDGET}
-        run.log(f"drift {name}: KL max {f.kl_max:.3g} mean {f.kl_mean:.3g}, top-1 {f.top1_agreement:.4f}, "
-                f"max|d|/max {item['rel_to_max']:.3g} -> {item['status']}")
-        run.add("drift", item)
+        for mode, model, profile, judged in modes:
+            if not judged and name not in ("single", "long_prompt"):
+                continue
+            gpu = _with_profile(profile, lambda: run_scenario(model, sc, (), keep=True, force=force))
+            _drift_row(run, name, mode, judged, ref, gpu)
+    del fp32_model
+    _drift_layers(run, cpu_model, gpu_model)
+
+
+def _drift_row(run: Run, name: str, mode: str, judged: bool, ref, gpu) -> None:
+    rows_r, rows_g = [], []
+    for rid, r in ref.requests.items():
+        common = sorted(set(r.logits) & set(gpu.requests[rid].logits))
+        rows_r += [r.logits[p].tensor for p in common]
+        rows_g += [gpu.requests[rid].logits[p].tensor for p in common]
+    f = compare_logits(torch.stack(rows_r), torch.stack(rows_g), label=f"GPU vs CPU reference, {name}")
+    scale = float(torch.stack(rows_r).abs().max())
+    ok = f.kl_max <= GPU_DRIFT_BUDGET["max_kl"] and f.top1_agreement >= GPU_DRIFT_BUDGET["min_top1"]
+    item = {"scenario": name, "mode": mode, "rows": f.n_rows, "kl_max": f.kl_max, "kl_mean": f.kl_mean,
+            "top1": f.top1_agreement, "max_abs": f.max_abs, "rel_to_max": f.max_abs / scale if scale else None,
+            "argmax_flips": f.argmax_flips, "budget": GPU_DRIFT_BUDGET,
+            "status": ("pass" if ok else "fail") if judged else "info"}
+    run.log(f"drift {name} [{mode}]: KL max {f.kl_max:.3g} mean {f.kl_mean:.3g}, top-1 {f.top1_agreement:.4f}, "
+            f"max|d|/max {item['rel_to_max']:.3g} -> {item['status']}")
+    run.add("drift", item)
+
+
+def _drift_layers(run: Run, cpu_model, gpu_model) -> None:
     sc = workloads.build("long_prompt", scale=SCALE)
     ids = list(sc.requests[0].prompt_ids)
     cpu_t, gpu_t = _probe_layers(cpu_model, ids), _probe_layers(gpu_model, ids)
@@ -174,9 +240,9 @@ def exact_toggles() -> list[str]:
             if t.contract.kind == "exact" and 1 in t.world_sizes and ("cuda" in t.devices or "cuda" in t.not_exact_on)]
 
 
-def section_exact(run: Run, gpu_model) -> None:
+def section_exact(run: Run, gpu_model, only: set[str] | None = None) -> None:
     refs = ReferenceRuns(gpu_model)
-    names = exact_toggles()
+    names = [n for n in exact_toggles() if only is None or n in only]
     for name in names:
         if run.left() < 40:
             run.add("exact", {"toggle": name, "status": "skip", "reason": "time budget spent"})
@@ -190,7 +256,12 @@ def section_exact(run: Run, gpu_model) -> None:
         item["wall_s"] = time.perf_counter() - t0
         run.log(f"exact {name}: {item['status']} {str(item.get('reason', ''))[:150]}")
         run.add("exact", item)
-    _mutants(run, "exact_mutants", gpu_model, refs, names)
+
+
+def section_mutants(run: Run, gpu_model, only: set[str] | None = None) -> None:
+    """Every mutant of the exact toggles (of those in `only`, when given): caught on the GPU?"""
+    of = [n for n in exact_toggles() if only is None or n in only]
+    _mutants(run, "exact_mutants", gpu_model, ReferenceRuns(gpu_model), of)
 
 
 def _verdict(name: str, results) -> dict[str, Any]:
@@ -254,9 +325,21 @@ def section_approx(run: Run, gpu_model) -> None:
     _mutants(run, "approx_mutants", gpu_model, refs, names)
 
 
-def section_price(run: Run, model_src: str = "k3-small", repeats: int = 3) -> None:
+def section_price(run: Run, model_src: str = "k3-small", repeats: int = 5) -> None:
+    """Two workloads: one 4096-token prefill (kernel-bound: the profile's GEMMs, norms, attention
+    and grid KDA against cuBLAS / torch / SDPA / whole-call chunk_kda), and the engine on a
+    multi-request workload (dispatch-bound on today's per-request engine: issue 20)."""
     from optimized_stack.engine import Engine, EngineOptions, SamplingParams
     model = load_model(model_src, device="cuda", dtype=torch.bfloat16)
+    ids = torch.randint(0, model.config.vocab_size, (4096,), generator=torch.Generator().manual_seed(0))
+
+    def prefill() -> None:
+        model.logits(ids)
+        torch.cuda.synchronize()
+
+    ab = interleaved(lambda: _with_profile("torch", prefill), lambda: _with_profile("invariant", prefill),
+                     repeats=repeats, tokens=4096, labels=("torch defaults", "invariant profile"))
+    _price_row(run, model_src, "prefill 4096 tokens, one request, bf16", repeats, ab)
     sc = workloads.build("multi_length", scale=1.0)
     tokens = sum(r.max_new_tokens for r in sc.requests)
 
@@ -269,25 +352,21 @@ def section_price(run: Run, model_src: str = "k3-small", repeats: int = 3) -> No
         eng.run()
         torch.cuda.synchronize()
 
-    def under(profile: str):
-        def go() -> None:
-            os.environ[GPU_PROFILE_ENV] = profile
-            try:
-                engine_run()
-            finally:
-                os.environ.pop(GPU_PROFILE_ENV, None)
-        return go
+    ab = interleaved(lambda: _with_profile("torch", engine_run), lambda: _with_profile("invariant", engine_run),
+                     repeats=3, tokens=tokens, labels=("torch defaults", "invariant profile"))
+    _price_row(run, model_src, f"{sc.name}: {len(sc.requests)} requests through the engine, continuous batching "
+                               f"+ chunked prefill (budget 512), bf16", 3, ab)
 
-    ab = interleaved(under("torch"), under("invariant"), repeats=repeats, tokens=tokens,
-                     labels=("torch defaults", "invariant profile"))
-    item = {"model": model_src, "workload": f"{sc.name}: {len(sc.requests)} requests, continuous batching + chunked "
-                                            f"prefill (budget 512), bf16", "repeats": repeats,
+
+def _price_row(run: Run, model_src: str, workload: str, repeats: int, ab) -> None:
+    mid = len(ab.times_a) // 2
+    item = {"model": model_src, "workload": workload, "repeats": repeats,
             "seconds_torch": ab.times_a, "seconds_invariant": ab.times_b,
             # > 1: the invariant profile is slower by this factor
             "price_of_exactness": 1.0 / ab.ratio, "ci95": [1.0 / ab.ci_high, 1.0 / ab.ci_low],
-            "tokens_per_s_torch": tokens / sorted(ab.times_a)[len(ab.times_a) // 2],
-            "tokens_per_s_invariant": tokens / sorted(ab.times_b)[len(ab.times_b) // 2]}
-    run.log(f"price of exactness ({model_src}): {item['price_of_exactness']:.3f}x "
+            "tokens_per_s_torch": ab.tokens / sorted(ab.times_a)[mid],
+            "tokens_per_s_invariant": ab.tokens / sorted(ab.times_b)[mid]}
+    run.log(f"price of exactness ({model_src}, {workload}): {item['price_of_exactness']:.3f}x "
             f"[{item['ci95'][0]:.3f}, {item['ci95'][1]:.3f}]")
     run.add("price", item)
 
@@ -308,7 +387,7 @@ def summary(doc: dict[str, Any]) -> dict[str, Any]:
             if st == "not-exact-on-cuda" else st
     muts = [m for m in sec.get("exact_mutants", []) + sec.get("approx_mutants", []) if m.get("status") != "skip"]
     inv = sec.get("invariance", [])
-    price = sec.get("price", [{}])[-1] if sec.get("price") else {}
+    price = sec.get("price", [{}])[0] if sec.get("price") else {}       # the kernel-bound prefill
     return {"device": env.get("cuda_device"), "torch": env.get("torch"), "fla": doc.get("fla"),
             "driver": doc.get("driver"), "exact": exact,
             "mutants": {"caught": sum(1 for m in muts if m.get("caught")), "total": len(muts),
@@ -318,9 +397,11 @@ def summary(doc: dict[str, Any]) -> dict[str, Any]:
                            "fail": sum(1 for i in inv if i.get("status") == "fail"),
                            "negative_controls_failed": sum(len(i.get("negative_controls_failed", [])) for i in inv)},
             "price_of_exactness": price.get("price_of_exactness"),
+            "price_of_exactness_rows": [{"workload": p["workload"], "ratio": p["price_of_exactness"], "ci95": p["ci95"]}
+                                        for p in sec.get("price", [])],
             "drift": {"budget": GPU_DRIFT_BUDGET,
-                      "kl_max": max((d["kl_max"] for d in sec.get("drift", [])), default=None),
-                      "top1_min": min((d["top1"] for d in sec.get("drift", [])), default=None)}}
+                      "kl_max": max((d["kl_max"] for d in sec.get("drift", []) if d["status"] != "info"), default=None),
+                      "top1_min": min((d["top1"] for d in sec.get("drift", []) if d["status"] != "info"), default=None)}}
 
 
 def render(doc: dict[str, Any]) -> str:
@@ -340,9 +421,9 @@ def render(doc: dict[str, Any]) -> str:
                for i in sec["invariance"]])
     if sec.get("drift"):
         table(f"GPU reference (bf16) vs CPU reference (fp32), teacher-forced; budget {GPU_DRIFT_BUDGET}",
-              ("scenario", "rows", "KL max", "KL mean", "top-1", "max|d|/max|ref|", "verdict"),
-              [(d["scenario"], d["rows"], f"{d['kl_max']:.3g}", f"{d['kl_mean']:.3g}", f"{d['top1']:.4f}",
-                f"{d['rel_to_max']:.3g}", d["status"]) for d in sec["drift"]])
+              ("scenario", "GPU side", "rows", "KL max", "KL mean", "top-1", "max|d|/max|ref|", "verdict"),
+              [(d["scenario"], d.get("mode", ""), d["rows"], f"{d['kl_max']:.3g}", f"{d['kl_mean']:.3g}",
+                f"{d['top1']:.4f}", f"{d['rel_to_max']:.3g}", d["status"]) for d in sec["drift"]])
     if sec.get("fla"):
         table("fla chunk_kda vs fused_recurrent_kda (random inputs, g in (-5, 0))",
               ("H x K", "T", "output rel", "state rel"),
@@ -393,7 +474,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--sections", default=",".join(SECTIONS))
     ap.add_argument("--budget-s", type=float, default=500.0)
+    ap.add_argument("--only", default="", help="exact / mutants sections: only these toggles (comma list)")
+    ap.add_argument("--tag", default="", help="a parallel lane: write gpu_exactness_TAG.json only")
+    ap.add_argument("--merge", nargs="+", type=Path, default=None,
+                    help="join lanes' gpu_exactness_TAG.json into gpu_exactness.{json,md} + summary.json in --out")
     args = ap.parse_args(argv)
+    if args.merge:
+        args.out.mkdir(parents=True, exist_ok=True)
+        write_all(args.out, merge(args.merge))
+        return 0
     sections = [x for x in args.sections.split(",") if x]
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:
@@ -403,26 +492,29 @@ def main(argv: list[str] | None = None) -> int:
         print("error: the GPU exactness run needs CUDA; torch.cuda.is_available() is False", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    run = Run(args.out, args.budget_s)
+    run = Run(args.out, args.budget_s, args.tag)
+    only = {t for t in args.only.split(",") if t} or None
     run.doc["driver"] = _driver()
     run.doc["fla"] = invariance._version("fla-core")
     gpu_model = cpu_model = None
-    if set(sections) & {"invariance_mini", "drift", "exact", "approx"}:
+    if set(sections) & {"drift", "exact", "mutants", "approx"}:
         gpu_model = load_model(None, device="cuda", dtype=torch.bfloat16)
         cpu_model = load_model(None)
     wait_for = os.environ.get("K3VERIFY_WAIT_FOR", "")       # files the warm-up processes write when done
     steps = {"invariance_mini": lambda: section_invariance(run, [("k3-mini (embedded)", None)]),
+             "controls": lambda: section_controls(run),
              "invariance_small": lambda: (_wait(run, wait_for, "128"),
                                           section_invariance(run, [("k3-small", "k3-small")])),
              "drift": lambda: section_drift(run, cpu_model, gpu_model), "fla": lambda: section_fla(run),
-             "exact": lambda: section_exact(run, gpu_model), "approx": lambda: section_approx(run, gpu_model),
+             "exact": lambda: section_exact(run, gpu_model, only), "mutants": lambda: section_mutants(run, gpu_model, only),
+             "approx": lambda: section_approx(run, gpu_model),
              "price": lambda: section_price(run)}
-    if sections and sections[0] in ("invariance_mini", "drift", "exact", "approx"):
+    if sections and sections[0] in ("invariance_mini", "controls", "drift", "exact", "mutants", "approx"):
         _wait(run, wait_for, "16")
     for name in SECTIONS:
         if name not in sections:
             continue
-        if name in ("fla", "price"):
+        if name in ("fla", "price", "invariance_small"):
             _wait(run, wait_for, "128")
         try:
             steps[name]()

@@ -68,8 +68,9 @@ def _roundtrip(st: RequestState, drop_conv: bool) -> RequestState:
     for i, kst in st.kda.items():
         for name, t in kst.tensors().items():
             tensors[f"kda.{i}.{name}"] = t
-    blob = save({k: v.contiguous() for k, v in tensors.items()})
-    back = load(blob)
+    blob = save({k: v.contiguous().cpu() for k, v in tensors.items()})
+    device = next(iter(tensors.values())).device
+    back = {k: v.to(device) for k, v in load(blob).items()}     # bytes live on the host; state comes back
     out = RequestState(st.num_tokens, {}, {i: back[f"mla.{i}"] for i in st.mla})
     for i, kst in st.kda.items():
         fresh = kst.clone()

@@ -116,7 +116,7 @@ def test_check_passes_and_its_controls_fail(mini_run, mini):
     res = mini_run
     assert res.failures == [], res.failures[0]["reason"]
     assert len(res.results) == len(invariance.plan(mini)) * len(MS)
-    controls = {"control_triton_gemm_block_k_by_rows", "control_kda_unaligned_cut"}
+    controls = {"control_triton_gemm_split_k_by_rows", "control_kda_unaligned_cut"}
     if DEVICE == "cuda":
         controls |= {"control_cublas_fp32_linear", "control_fla_chunk_varlen"}
     assert set(res.negative_controls_failed) == controls, [c["reason"] for c in res.controls]

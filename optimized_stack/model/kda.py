@@ -161,7 +161,9 @@ class KDAttention(nn.Module):
     def new_state(self, device: torch.device | str = "cpu") -> KDAState:
         cfg = self.cfg
         hk = cfg.kda_num_heads * cfg.kda_head_dim
-        win = torch.zeros(cfg.kda_conv_size - 1, hk, device=device)
+        # the windows hold pre-conv projections, in the activations' dtype (bf16 on the GPU profile),
+        # so a pooled copy and the reference's own window are the same tensor type
+        win = torch.zeros(cfg.kda_conv_size - 1, hk, device=device, dtype=self.q_proj.weight.dtype)
         return KDAState(torch.zeros(cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim,
                                     dtype=torch.float32, device=device),
                         win.clone(), win.clone(), win.clone())
