@@ -36,7 +36,7 @@ CUDA_TOGGLES = ("kda_fla_chunk", "kda_fla_recurrent", "moe_grouped", "shared_exp
 # exact engine toggles: are they still bitwise when cuBLAS picks kernels by row count?
 ENGINE_TOGGLES = ("chunked_prefill", "continuous_batching", "prefix_cache")
 CUDA_MUTANTS = ("mut_fla_chunk_drops_state", "mut_fla_recurrent_state_transposed",
-                "mut_moe_grouped_slot0_weight", "mut_side_stream_stale_input", "mut_mla_absorbed_scale",
+                "mut_moe_grouped_slot0_weight", "mut_side_stream_row0_input", "mut_mla_absorbed_scale",
                 "mut_kda_chunk_off_by_one")
 # scenario scale of the verdicts: half-size cases keep the run inside one device call
 SCALE = 0.5

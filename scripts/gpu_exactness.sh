@@ -35,9 +35,16 @@ run_lane() {  # tag sections [--only toggles]
     > "$OUT/lane_$1.log" 2>&1
   echo "lane $1 rc=$?"
 }
-run_lane exact1 exact,mutants "$LANE1" &
-run_lane exact2 exact,mutants "$LANE2" &
-run_lane rest "$LANE3" &
+if [ -n "${LANES:-}" ]; then          # e.g. LANES="mutants:mutants approx:approx"
+  for spec in $LANES; do run_lane "${spec%%:*}" "${spec#*:}" & done
+else
+  run_lane exact1 exact,mutants "$LANE1" &
+  run_lane exact2 exact,mutants "$LANE2" &
+  run_lane rest "$LANE3" &
+fi
+if [ -n "${IEEE_LANE:-}" ]; then       # the drift again with fla's fp32 dots in IEEE (no TF32)
+  TRITON_F32_DEFAULT=ieee K3VERIFY_DRIFT_NOTE="TRITON_F32_DEFAULT=ieee" run_lane ieee drift &
+fi
 wait
 tail -3 "$OUT/pytest_kernels.log"
 python3 -m k3verify.gpu_exactness --out "$OUT" --merge "$OUT"/gpu_exactness_*.json && rm -f "$OUT"/gpu_exactness_*.json

@@ -272,7 +272,7 @@ MUTANT_SCENARIOS = {
     "mut_restore_skips_conv": ("forks", {}),
     "mut_ckpt_one_late": ("forks", {}),
     "mut_tail_one_short": ("forks", {}),
-    "mut_projected_kv_bf16": ("staggered", {}),
+    "mut_projected_kv_lowp": ("staggered", {}),
     "mut_stale_block_after_evict": ("multiturn_tiny", {}),
     "mut_preempt_loses_conv": ("pressure", {}),
     "mut_recompute_skips_generated": ("pressure", {}),

@@ -22,7 +22,7 @@ FAULTS = {
     "mut_restore_skips_conv": "a prefix hit restores the recurrent state but leaves the conv windows zero",
     "mut_ckpt_one_late": "the checkpoint saved for token n holds the state after n+1",
     "mut_tail_one_short": "the MLA tail stored with a checkpoint is one row short",
-    "mut_projected_kv_bf16": "projected K/V rows are stored rounded through bf16",
+    "mut_projected_kv_lowp": "projected K/V rows are stored one precision step down (bf16 for fp32, fp8 for bf16)",
     "mut_stale_block_after_evict": "a block restored from the host tier keeps the device block's stale rows",
     "mut_preempt_loses_conv": "swap-in after preemption restores the recurrent state but not the conv windows",
     "mut_recompute_skips_generated": "recompute after preemption re-prefills the prompt and skips the generated tokens",

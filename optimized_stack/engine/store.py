@@ -24,8 +24,10 @@ from .state_pool import KDAStatePool
 DEFAULT_DEVICE_TOKENS = 16384
 
 
-def _round_bf16(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.bfloat16).to(t.dtype)
+def _round_lower(t: torch.Tensor) -> torch.Tensor:
+    """The seeded fault's storage: one precision step down (fp32 rows via bf16, bf16 rows via fp8)."""
+    low = torch.bfloat16 if t.dtype == torch.float32 else torch.float8_e4m3fn
+    return t.to(low).to(t.dtype)
 
 
 class PlainStore:
@@ -55,9 +57,9 @@ class PlainStore:
                 t.zero_()
 
     def commit(self, req: Request, st: RequestState, start: int, end: int) -> None:
-        if st.mla_kv is not None and "mut_projected_kv_bf16" in self.opts.faults:
+        if st.mla_kv is not None and "mut_projected_kv_lowp" in self.opts.faults:
             for t in st.mla_kv.values():
-                t[start:end] = _round_bf16(t[start:end])
+                t[start:end] = _round_lower(t[start:end])
         req.num_computed = end
 
     def kda_states(self, req: Request) -> dict:
@@ -275,8 +277,8 @@ class PagedStore:
         self.mla.write(req.blocks, start, {i: st.mla[i][start:end] for i in self.mla_layers})
         if st.mla_kv is not None:
             kv = {i: st.mla_kv[i][start:end] for i in self.mla_layers}
-            if "mut_projected_kv_bf16" in self.faults:
-                kv = {i: _round_bf16(t) for i, t in kv.items()}
+            if "mut_projected_kv_lowp" in self.faults:
+                kv = {i: _round_lower(t) for i, t in kv.items()}
             self.mla.write(req.blocks, start, kv, kv=True)
         self.pool.store(req.slot, st.kda)
         req.num_computed = end

@@ -72,7 +72,7 @@ _mut("mut_ckpt_one_late", "prefix_cache_subblock", "the checkpoint saved for tok
      "after n+1", SUB, ("kda_state", "logits"), "kda/recurrent")
 _mut("mut_tail_one_short", "ckpt_with_mla_tail", "the MLA tail stored with a checkpoint is one row "
      "short (the last row comes from whatever the block held)", TAIL, ("logits", "mla_rows"), "mla/cache")
-_mut("mut_projected_kv_bf16", "projected_kv_cache", "projected K/V rows stored rounded through bf16",
+_mut("mut_projected_kv_lowp", "projected_kv_cache", "projected K/V rows stored one precision step down (bf16 for fp32 rows, fp8 for bf16)",
      {"projected_kv_cache": True}, ("logits",), "mla/attention")
 _mut("mut_stale_block_after_evict", "host_kv_tier", "a block restored from the host tier keeps the "
      "device block's stale rows", HOST, ("logits", "mla_rows"), "mla/cache")

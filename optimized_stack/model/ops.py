@@ -140,7 +140,17 @@ def tanh(x: torch.Tensor) -> torch.Tensor:
 
 
 def plain_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """torch's own GEMM: fastest, but a row's bits depend on the batch it sits in."""
+    """torch's own GEMM, whose row bits depend on the batch it sits in: MKL on the CPU; on CUDA
+    fp32 cuBLAS with TF32 allowed (bf16 cuBLAS measured row-invariant on the H200, so it would be
+    no fault there). The seeded faults that need a non-invariant GEMM use this."""
+    if x.is_cuda:
+        matmul = torch.backends.cuda.matmul
+        saved = matmul.allow_tf32
+        matmul.allow_tf32 = True
+        try:
+            return torch.nn.functional.linear(x.float(), weight.float()).to(x.dtype)
+        finally:
+            matmul.allow_tf32 = saved
     return torch.nn.functional.linear(x, weight)
 
 

@@ -9,10 +9,7 @@ from ...model.moe import MoE
 _SIDE: dict[torch.device, torch.cuda.Stream] = {}
 
 
-_STAGED: dict[tuple, torch.Tensor] = {}
-
-
-def moe_forward_side_stream(self, x: torch.Tensor, *, _tf32: bool = False, _stale: bool = False) -> torch.Tensor:
+def moe_forward_side_stream(self, x: torch.Tensor, *, _tf32: bool = False, _row0: bool = False) -> torch.Tensor:
     """MoE.block with the shared expert on a second stream. The same ops on the same
     shapes as the reference, only overlapped: the side stream waits for x, the main stream
     waits for the shared output before the add, and the allocator is told the tensor is
@@ -22,11 +19,8 @@ def moe_forward_side_stream(self, x: torch.Tensor, *, _tf32: bool = False, _stal
     main = torch.cuda.current_stream(x.device)
     side = _SIDE.setdefault(x.device, torch.cuda.Stream(x.device))
     side.wait_stream(main)
-    x_side = x
-    if _stale:                # the seeded fault: a staging buffer reused before it is refilled
-        key = (id(self), tuple(x.shape), x.dtype)
-        x_side = _STAGED.get(key, x)
-        _STAGED[key] = x.clone()
+    # the seeded fault: the side stream's copy of the input broadcasts row 0 (a wrong view)
+    x_side = x[:1].expand_as(x) if _row0 else x
     with torch.cuda.stream(side):
         saved = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = _tf32 or saved

@@ -55,10 +55,10 @@ register(Toggle(
 
 # On the GPU profile every fp32 GEMM is the Triton IEEE kernel and bf16 runs with TF32 off, so
 # a TF32 leak changes nothing any more (the first mutant of this toggle went void): the seeded
-# fault is a staging buffer the side stream reads before the main stream refilled it.
+# fault is a wrong view of the input in the side stream's copy (row 0 for every row).
 register(Toggle(
-    name="mut_side_stream_stale_input", kind="mutant", mutant_of="shared_expert_side_stream", contract=EXACT,
+    name="mut_side_stream_row0_input", kind="mutant", mutant_of="shared_expert_side_stream", contract=EXACT,
     touches=("logits",), devices=CUDA,
-    description="the side stream's shared expert reads the previous call's input (a reused staging "
-                "buffer read before it is refilled)", caught_by=("logits",), lives_in="moe/ffn",
-    ops={"moe_block": functools.partial(moe_forward_side_stream, _stale=True)}))
+    description="the side stream's shared expert reads row 0's input for every row (a broadcast view "
+                "where a copy was meant)", caught_by=("logits",), lives_in="moe/ffn",
+    ops={"moe_block": functools.partial(moe_forward_side_stream, _row0=True)}))
