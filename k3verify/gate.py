@@ -170,6 +170,8 @@ def _findings_for(check: str, first: dict, ref: Capture, cand: Capture) -> list[
         f = compare_logits(a, b, label=f"logits[{rid}] positions {common[0]}..{common[-1]}")
         return [{**f.to_dict(), "message": f.message(), "positions": [common[0], common[-1]]}]
     if check == "kda_state":
+        if "num_tokens" not in first:       # e.g. "no comparable state point": nothing to measure
+            return []
         n, key = first["num_tokens"], (first["layer"], first["tensor"])
         if key not in c.kda.get(n, {}):
             return []

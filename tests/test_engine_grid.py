@@ -137,3 +137,13 @@ def test_on_the_grid_prefix_hits_stop_at_the_last_aligned_checkpoint(model, grid
     off_grid = run_toggles(model, ["ckpt_with_mla_tail"], SCENARIOS["forks"])
     assert 0 < cand.metrics.prefix_hit_tokens < off_grid.metrics.prefix_hit_tokens
     assert cand.metrics.prefix_hit_tokens % GRID == 0
+
+
+def test_an_off_grid_fault_cannot_fire_on_the_grid_and_does_not_crash_the_engine(model, grid_reference):
+    """mut_ckpt_one_late needs a cut one past a checkpoint point; on the grid that cut is not
+    allowed, so the fault's path is not reached (the GPU run reported it not caught: H200,
+    2026-12-01) and the engine must still run to the end."""
+    with ops.override(kda_prefill=cpu_grid_kda):
+        cand = run_toggles(model, ["mut_ckpt_one_late"], SCENARIOS["forks"])
+        bad = compare(grid_reference("forks"), cand, GridOracle(model))
+    assert not any(bad.values()) and cand.cap.logits, summary(bad)

@@ -263,10 +263,12 @@ class Speculator:
         assert tr is not None
         k, u, g = tr.k[:kept], tr.u[:kept], tr.g[:kept]
         if "mut_spec_gate_recompute" in self.faults:
-            # the seeded fault: recompute the gate from the layer input on torch's plain
-            # GEMM over the whole verify batch instead of reusing the stored values
+            # the seeded fault: recompute the gate from the layer input on torch's plain fp32
+            # GEMM over the whole verify batch instead of reusing the stored values (fp32 out,
+            # not rounded to the activations' dtype: on the bf16 GPU profile a rounded recompute
+            # would hit the same bits and the fault would be void, as measured on the H200)
             assert rec.x is not None
-            with ops.override(linear=ops.plain_linear):
+            with ops.override(linear=_fp32_linear):
                 g, _ = self.kda_layers[layer].gates(rec.x)
             g = g[:kept]
         if "mut_spec_replay_closed_form" in self.faults:
@@ -278,6 +280,11 @@ class Speculator:
             q, v, beta = (t[:kept] for t in rec.qvb)
             return rec.decode(q, k, v, g, beta, rec.checkpoint)[1]
         return kda_replay(rec.checkpoint, k, u, g)
+
+
+def _fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """torch's GEMM in fp32, output not rounded back (the gate-recompute fault's linear)."""
+    return torch.nn.functional.linear(x.float(), weight.float())
 
 
 def _compact(window: torch.Tensor, inputs: torch.Tensor, kept: int) -> torch.Tensor:

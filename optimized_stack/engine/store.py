@@ -311,7 +311,10 @@ class PagedStore:
         points = [p for p in range(start + 1 - shift, end - shift) if self._ckpt_point(req, p)]
         if points:
             self.prefix.chain(req.tokens, req.hashes, points[-1] // self.mla.block_size)
-        return [p + shift for p in points if self.prefix.wants(self.prefix.key(req.tokens, req.hashes, p))]
+        cuts = [p + shift for p in points if self.prefix.wants(self.prefix.key(req.tokens, req.hashes, p))]
+        # on the KDA grid a call may only stop on it (kernels/kda/grid.py): a seeded fault's
+        # off-grid cut (mut_ckpt_one_late) is dropped, so that fault cannot fire there
+        return [c for c in cuts if not self.grid or c % self.grid == 0 or c >= self._aligned(req)]
 
     def _register_full(self, req: Request) -> None:
         if self.prefix is None:
