@@ -34,6 +34,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--report-dir", type=Path, metavar="DIR",
                         help="run directory (default reports/<run-id>); with --resume, the run directory to resume")
     parser.add_argument("--resume", metavar="RUN_ID", help="finish an interrupted run: skip its finished checks")
+    parser.add_argument("--base", nargs="?", const="@merge-base", default=None, metavar="REV",
+                        help="add the patch diff against git revision REV (default: the merge base with main) "
+                             "for the suite's toggles: `k3verify diff --base`, as a section of this report")
     add_model_flag(parser)
     add_json_flag(parser)
 
@@ -132,9 +135,18 @@ def run(args) -> int:
     for unit in plan["units"]:               # bad gate arguments: exit 2 before any work
         if unit["kind"] in ("gsm8k", "needle", "kvv"):
             run_all.gate_args(unit, plan["model"], run_dir / "gates" / unit["id"])
+    if args.base is not None:               # a bad REV: exit 2 before any work
+        from k3verify.patch_diff import checkout_root, resolve_base
+        resolve_base(checkout_root(None), args.base)
     con = console()
     with Display(plan, con) as display:
         results, ran = run_all.execute(plan, model, run_dir, display=display)
+    patch_line = None
+    if args.base is not None:               # issue 21: a section of its own, not a unit of the plan
+        from k3verify.patch_report import suite_section
+        patch_rows, patch_line = suite_section(plan, run_dir, args.base,
+                                               lambda msg: print(f"    {msg}", file=sys.stderr, flush=True))
+        results = results + patch_rows
     report, paths = run_all.write_combined(plan, model, run_dir, results)
     con.print(verdict_table(report))
     s, nc = report["summary"], report["negative_controls"]
@@ -143,6 +155,8 @@ def run(args) -> int:
     con.print(f"verdict: {s['verdict']}  ({s['passed']} pass, {s['failed']} fail, {s['skipped']} skip, "
               f"{s['errors']} error{undecided}; toggles counted {counted}/{len(report['verdicts'])}; "
               f"mutants caught {nc['caught']}/{nc['total']}; {ran} of {len(plan['units'])} units run now)")
+    if patch_line:
+        con.print(f"patch diff: {patch_line}  ({run_dir / 'patch-diff' / 'summary.md'})")
     con.print(f"report: {paths['md']}  junit: {paths['junit']}  resume with: --resume {plan['run_id']}")
     if args.json:
         emit_json({"run_id": plan["run_id"], "verdict": s["verdict"], "report": str(paths["json"]), "summary": s,
