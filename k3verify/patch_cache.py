@@ -11,7 +11,7 @@ from pathlib import Path
 from .capture import Capture
 from .compare import hash_tensor
 from .io import atomic_write_bytes, atomic_write_json
-from .patch_driver import tensor_key
+from .patch_driver import PROTOCOL, tensor_key
 
 CACHE_FORMAT, CACHE_VERSION = "k3verify.patch-cache", 1
 
@@ -65,7 +65,9 @@ class CaptureCache:
         except (OSError, ValueError):
             return None
         ok = isinstance(d, dict) and d.get("format") == CACHE_FORMAT and d.get("version") == CACHE_VERSION
-        return d["describe"] if ok and isinstance(d.get("describe"), dict) and "toggles" in d["describe"] else None
+        desc = d.get("describe") if ok else None
+        fits = isinstance(desc, dict) and desc.get("protocol") == PROTOCOL and "toggles" in desc
+        return desc if fits else None
 
     def put_describe(self, desc: dict) -> None:
         atomic_write_json(self.dir / "describe.json", {"format": CACHE_FORMAT, "version": CACHE_VERSION,

@@ -51,6 +51,7 @@ class UnitDiff:
     kinds: dict[str, KindDiff] = field(default_factory=dict)
     not_compared: str | None = None     # scenario changed / REV could not run it
     error: str | None = None            # the working tree's run crashed
+    traceback: str | None = None
 
     @property
     def changed(self) -> bool:
@@ -286,7 +287,7 @@ def judge(plan: dict, diffs: dict[tuple[str, str], UnitDiff], contracts: dict[tu
             d = diffs[(label, scenario)]
             if d.error:
                 rows.append(_row(label, contract, "base_diff", scenario, "error",
-                                 f"the working tree's run failed: {d.error}"))
+                                 f"the working tree's run failed: {d.error}", traceback=d.traceback))
                 label_ok = False
                 continue
             if d.not_compared:
@@ -333,6 +334,9 @@ def judge(plan: dict, diffs: dict[tuple[str, str], UnitDiff], contracts: dict[tu
             toggle_words.append((label, word))
         if not label_ok and ckind == "exact":
             broken_exact.append(label)
+    kinds = {lp["label"]: lp.get("kind", "optimization") for lp in plan["labels"]}
+    for r in rows:                           # a mutant named with --toggle is reported as one
+        r["kind"] = kinds.get(r["toggle"], r["kind"])
     summary = _summary(plan, diffs, rows, ref_changed, golden, toggle_words, broken_exact)
     return rows, summary
 

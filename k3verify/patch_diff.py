@@ -104,8 +104,9 @@ def make_plan(head: dict, base: dict, opts: Options, base_info: dict) -> dict:
     labels = []
     for name in names:
         t = head_t[name]
-        lp = {"label": name, "contract": t["contract"], "contract_kind": t["contract_kind"],
-              "scenarios": _scenarios_for(t, opts.scenarios, scen), "forced": force and t["contract_kind"] == "approx"}
+        lp = {"label": name, "kind": t["kind"], "contract": t["contract"], "contract_kind": t["contract_kind"],
+              "scenarios": _scenarios_for(t, opts.scenarios, scen),
+              "forced": force and t["contract_kind"] == "approx"}    # teacher-forced on its side's reference
         skip = _runs_here(t, opts.device)
         if skip:
             lp.update(status="skip", reason=skip, scenarios=[])
@@ -120,8 +121,9 @@ def make_plan(head: dict, base: dict, opts: Options, base_info: dict) -> dict:
     if not opts.toggles:
         for name, t in base_t.items():
             if t["kind"] == "optimization" and name not in head_t and not _runs_here(t, opts.device):
-                labels.append({"label": name, "contract": t["contract"], "contract_kind": t["contract_kind"],
-                               "scenarios": [], "forced": False, "status": "removed",
+                labels.append({"label": name, "kind": t["kind"], "contract": t["contract"],
+                               "contract_kind": t["contract_kind"], "scenarios": [], "forced": False,
+                               "status": "removed",
                                "reason": f"removed by this patch: REV {base_info['short']} has it, the working "
                                          f"tree does not"})
     used = {s for lp in labels if lp["status"] in ("compare", "added") for s in lp["scenarios"]}
@@ -273,7 +275,7 @@ def run(opts: Options) -> dict[str, Any]:
     rows, summary = judge(plan, diffs, contracts, golden)
     timings["total_s"] = time.perf_counter() - t_start
     head_git = {"commit": _try_git(root, "rev-parse", "HEAD"),
-                "dirty": bool(_try_git(root, "status", "--porcelain", "--untracked-files=no"))}
+                "dirty": bool(_try_git(root, "status", "--porcelain"))}   # untracked modules are on PYTHONPATH too
     meta = {"root": str(root), "base": base_info, "head": head_git, "env_key": head_desc.get("env_key"),
             "env": head_desc.get("env"), "model": head_desc.get("model"), "model_id": head_desc.get("model_id"),
             "base_model_id": base_desc.get("model_id"), "base_env_key": base_desc.get("env_key"),
@@ -312,7 +314,7 @@ def _diffs(plan: dict, base_units: dict, head_units: dict) -> dict[tuple[str, st
         d = UnitDiff(u["label"], u["scenario"])
         (bcap, brec), (hcap, hrec) = base_units[u["id"]], head_units[u["id"]]
         if hcap is None:
-            d.error = hrec.get("error", "no capture")
+            d.error, d.traceback = hrec.get("error", "no capture"), hrec.get("traceback")
         elif bcap is None:
             d.not_compared = f"REV could not run it: {brec.get('error')}"
         elif brec["prompts_sha256"] != hrec["prompts_sha256"]:

@@ -77,9 +77,10 @@ def edit(root: Path, rel: str, old: str, new: str) -> None:
     path.write_text(text.replace(old, new))
 
 
-def diff(capsys, root: Path, out: Path, *toggles: str) -> tuple[int, dict, str]:
+def diff(capsys, root: Path, out: Path, *toggles: str, base: tuple[str, ...] = ("--base", "main")
+         ) -> tuple[int, dict, str]:
     names = [w for t in toggles for w in ("--toggle", t)]
-    code = cli.main(["diff", "--base", "main", "--repo", str(root), *ARGS, *names, "--report-dir", str(out)])
+    code = cli.main(["diff", *base, "--repo", str(root), *ARGS, *names, "--report-dir", str(out)])
     captured = capsys.readouterr()
     report = json.loads((out / "report.json").read_text()) if (out / "report.json").is_file() else {}
     return code, report, captured.out + captured.err
@@ -255,7 +256,8 @@ def test_patch_that_breaks_an_exact_toggle_fails(patched, tmp_path, capsys):
 def test_changed_scenario_is_reported_not_compared(patched, tmp_path, capsys):
     edit(patched, "k3verify/workloads.py", 'RequestSpec("r0", tuple(g.text(_n(100, scale))), 8)',
          'RequestSpec("r0", tuple(g.text(_n(104, scale))), 8)')
-    code, report, out = diff(capsys, patched, tmp_path / "r", EXACT)
+    code, report, out = diff(capsys, patched, tmp_path / "r", EXACT, base=("--base",))   # the merge base
+    assert report["patch_diff"]["base"]["how"] == "merge base of HEAD with main"
     line = report["patch_diff"]["summary"]["line"]
     assert "not compared: single (scenario changed" in line, line
     assert all(r["status"] == "skip" and "scenario changed" in r["reason"] for r in report["results"])
@@ -294,3 +296,63 @@ def test_all_base_adds_the_section(patched, tmp_path, capsys, monkeypatch):
     assert section and all(r["toggle"] == "patch-diff" for r in section)
     assert {v["toggle"] for v in report["verdicts"]} == {"state_offload_roundtrip"}, "no verdict for the section"
     assert (tmp_path / "run" / "patch-diff" / "summary.md").is_file()
+
+
+# ---- the pure parts: plan and golden rule (no subprocess) ---------------------------------
+
+def _toggle(name, kind="exact", devices=("cpu", "cuda"), tags=(), exercised=()):
+    return {"name": name, "kind": "optimization", "contract": kind, "contract_kind": kind, "devices": list(devices),
+            "world_sizes": [1], "scenario_tags": list(tags), "exercised_by": list(exercised)}
+
+
+def _describe(*toggles):
+    scen = {"single": {"tags": ["basic"]}, "boundaries": {"tags": ["boundaries"]}, "eviction": {"tags": ["eviction"]}}
+    return {"toggles": list(toggles), "scenarios": scen, "capabilities": {"force": True}}
+
+
+def test_plan_names_added_removed_and_skipped_toggles_and_the_scenarios_that_exercise_them():
+    from k3verify.patch_diff import Options, make_plan
+
+    head = _describe(_toggle("kept", exercised=("eviction",)), _toggle("new"), _toggle("cuda_only", devices=("cuda",)),
+                     _toggle("kernel", kind="approx"))
+    base = _describe(_toggle("kept", exercised=("eviction",)), _toggle("gone"), _toggle("kernel", kind="approx"))
+    plan = make_plan(head, base, Options(), {"short": "abc"})
+    by = {lp["label"]: lp for lp in plan["labels"]}
+    assert by["kept"]["status"] == "compare" and by["kept"]["scenarios"] == ["single", "eviction"]
+    assert by["new"]["status"] == "added" and by["gone"]["status"] == "removed"
+    assert "cuda_only" not in by, "a toggle that does not run here is not part of the default set"
+    assert by["kernel"]["forced"] and not by["kept"]["forced"], "approx toggles are teacher-forced"
+    assert by[REFERENCE]["scenarios"] == ["single", "eviction"], "the reference runs wherever a toggle does"
+    plan = make_plan(head, base, Options(toggles=["cuda_only"]), {"short": "abc"})
+    assert {lp["label"]: lp["status"] for lp in plan["labels"]}["cuda_only"] == "skip"
+    from k3verify.errors import UsageError
+    with pytest.raises(UsageError, match="unknown toggle 'kep'; did you mean 'kept'"):
+        make_plan(head, base, Options(toggles=["kep"]), {"short": "abc"})
+    with pytest.raises(UsageError, match="unknown scenario 'singel'; did you mean 'single'"):
+        make_plan(head, base, Options(scenarios=["singel"]), {"short": "abc"})
+
+
+@pytest.mark.parametrize("case, allowed", [
+    ("re-recorded", True), ("same file", False), ("no file", False), ("same reason", False),
+    ("no entry for the model", False), ("empty reason", False), ("check fails", False)])
+def test_golden_rule(case, allowed):
+    from k3verify.patch_compare import golden_verdict
+
+    def golden(reason, model="sha256:m", scenarios="x"):
+        return json.dumps({"models": {model: {"reason": reason, "scenarios": scenarios}}})
+
+    base, head, check = golden("old"), golden("new", scenarios="y"), {"status": "pass", "reason": "ok"}
+    if case == "same file":
+        head = base
+    elif case == "no file":
+        head = None
+    elif case == "same reason":
+        head = golden("old", scenarios="y")
+    elif case == "no entry for the model":
+        head = golden("new", model="sha256:other")
+    elif case == "empty reason":
+        head = golden("  ", scenarios="y")
+    elif case == "check fails":
+        check = {"status": "fail", "reason": "reference drifted from golden at ..."}
+    v = golden_verdict(base, head, "sha256:m", "env", check)
+    assert v["allowed"] is allowed, v["why"]
