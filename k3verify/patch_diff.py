@@ -35,10 +35,12 @@ from .capture import Capture
 from .errors import UsageError
 from .patch_cache import BadUnit, CaptureCache, load_unit, sha256_file
 from .patch_compare import REFERENCE, UnitDiff, contracts_needed, diff_captures, golden_verdict, judge
-from .patch_tree import MERGE_BASE, TreeWorker, checkout_root, git, git_blob, resolve_base, rev_worktree
+from .patch_tree import (MERGE_BASE, TreeWorker, checkout_root, git, git_blob, resolve_base, rev_worktree,
+                         sigterm_unwinds)
 
 __all__ = ["MERGE_BASE", "Options", "checkout_root", "resolve_base", "run"]
 DEFAULT_MODEL_PATH = "golden/k3-mini/model.safetensors"
+REFERENCE_SCENARIOS = ("single", "long_prompt")       # golden_hashes.GOLDEN_SCENARIOS' names
 
 
 # ---- the plan ---------------------------------------------------------------------------
@@ -126,8 +128,12 @@ def make_plan(head: dict, base: dict, opts: Options, base_info: dict) -> dict:
                                "status": "removed",
                                "reason": f"removed by this patch: REV {base_info['short']} has it, the working "
                                          f"tree does not"})
-    used = {s for lp in labels if lp["status"] in ("compare", "added") for s in lp["scenarios"]}
-    ref_scen = [n for n in scen if n in used] or list(opts.scenarios or ["single"])
+    # The reference is compared on the golden scenarios (or --scenario) and wherever an approx
+    # toggle is teacher-forced; a toggle's own diff needs no reference, and an exact contract
+    # computes its reference on the working tree when it runs.
+    wanted = set(opts.scenarios or REFERENCE_SCENARIOS)
+    wanted |= {s for lp in labels if lp["status"] == "compare" and lp["forced"] for s in lp["scenarios"]}
+    ref_scen = [n for n in scen if n in wanted] or list(scen)[:1]
     labels.insert(0, {"label": REFERENCE, "contract": "exact", "contract_kind": "exact", "scenarios": ref_scen,
                       "forced": False, "status": "compare", "reason": ""})
     return {"base": base_info, "labels": labels, "scale": float(opts.scale), "seed": opts.seed, "forced": force}
@@ -182,14 +188,17 @@ def capture_side(worker_for: Callable[[], TreeWorker], plan: dict, out: Path,
                 todo.remove(u)
         if not todo:
             continue
-        worker_for().request("capture", out=str(out), units=todo)
-        for u in todo:
+        def landed(uid: str) -> None:        # cached as it lands: an interrupted run keeps what it did
             try:
-                results[u["id"]] = load_unit(out, u["id"])
+                results[uid] = load_unit(out, uid)
             except BadUnit as exc:
-                raise UsageError(f"captures of {u['id']} do not read back ({exc})") from None
-            if cache and results[u["id"]][0] is not None:
-                cache.store(out, u["id"])
+                raise UsageError(f"captures of {uid} do not read back ({exc})") from None
+            if cache and results[uid][0] is not None:
+                cache.store(out, uid)
+        worker_for().request("capture", on_unit=landed, out=str(out), units=todo)
+        missing = [u["id"] for u in todo if u["id"] not in results]
+        if missing:
+            raise UsageError(f"the worker answered without capturing {missing[0]}")
     return results
 
 
@@ -210,6 +219,11 @@ def _model_key(root: Path, sha: str, model: str | None) -> tuple[str, str | None
 
 def run(opts: Options) -> dict[str, Any]:
     """Both sides, the comparison and the rules -> {"rows", "summary", "plan", "meta"}."""
+    with sigterm_unwinds():
+        return _run(opts)
+
+
+def _run(opts: Options) -> dict[str, Any]:
     t_start = time.perf_counter()
     root = checkout_root(opts.repo)
     base_info = resolve_base(root, opts.base)

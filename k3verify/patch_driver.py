@@ -21,7 +21,7 @@ one-line message (the caller turns it into exit 2).
 
 Protocol: the caller writes one JSON request per line on stdin; the worker answers each
 with one JSON line on its original stdout (anything the tree prints goes to stderr), and
-may send {"progress": "..."} lines before an answer. Requests:
+may send {"progress": "..."} and {"unit_done": id} lines before an answer. Requests:
     {"cmd": "describe", "scale": s, "seed": n}  -> env, model, toggles, scenario tags
     {"cmd": "capture", "out": DIR, "units": [...]}  -> per unit DIR/<id>.json + <id>.safetensors
     {"cmd": "contract", "checks": [[toggle, scenario]], "scale", "seed", "golden": bool, "localize": bool}
@@ -203,6 +203,7 @@ class Worker:
             if "error" in record:
                 (out / f"{uid}.json").write_text(json.dumps(record), encoding="utf-8")
             done.append(uid)
+            self.reply({"unit_done": uid})
         return {"units": done}
 
     # ---- contract (working tree only) ----------------------------------------------------

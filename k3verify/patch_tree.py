@@ -84,6 +84,25 @@ def rev_worktree(root: Path, sha: str, scratch: Path) -> Iterator[Path]:
                 git(root, "worktree", "prune")
 
 
+@contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """SIGTERM (a CI job's timeout) unwinds like Ctrl-C, so REV's worktree is still removed."""
+    import signal
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 # ---- one tree's worker ------------------------------------------------------------------
 
 class TreeWorker:
@@ -99,7 +118,7 @@ class TreeWorker:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True)
         self._answer()
 
-    def _answer(self) -> dict:
+    def _answer(self, on_unit: Callable[[str], None] | None = None) -> dict:
         while True:
             line = self.proc.stdout.readline()
             if not line:
@@ -109,6 +128,10 @@ class TreeWorker:
                 raise UsageError(f"{self.where}: the patch-diff worker exited ({self.proc.returncode}): "
                                  f"{tail[0] if tail else 'no output'}")
             msg = json.loads(line)
+            if "unit_done" in msg:
+                if on_unit:
+                    on_unit(msg["unit_done"])
+                continue
             if "progress" in msg:
                 self.progress(f"{self.where}: {msg['progress']}")
                 continue
@@ -118,18 +141,19 @@ class TreeWorker:
                 raise UsageError(f"{self.where}: {msg.get('message')}")
             return msg
 
-    def request(self, cmd: str, **kw: Any) -> dict:
+    def request(self, cmd: str, on_unit: Callable[[str], None] | None = None, **kw: Any) -> dict:
+        """One request; `on_unit(id)` is called as each captured unit lands on disk."""
         self.proc.stdin.write(json.dumps({"cmd": cmd, **kw}) + "\n")
         self.proc.stdin.flush()
-        return self._answer()
+        return self._answer(on_unit)
 
     def close(self) -> None:
         if self.proc.poll() is None:
             with contextlib.suppress(OSError, ValueError):
                 self.proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
                 self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=30)
+            try:                             # an idle worker exits at once; a busy one is interrupted
+                self.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()

@@ -265,6 +265,8 @@ def test_changed_scenario_is_reported_not_compared(patched, tmp_path, capsys):
 
 
 def test_bad_revision_and_missing_api_are_one_line_errors(patched, tmp_path, capsys):
+    assert cli.main(["diff"]) == 2
+    assert "diff needs --toggle NAME (or --base [REV]" in capsys.readouterr().err
     code = cli.main(["diff", "--base", "no-such-rev", "--repo", str(patched), *ARGS, "--toggle", EXACT])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err[-1].startswith("k3verify: error: --base 'no-such-rev': not a commit"), err
@@ -322,7 +324,7 @@ def test_plan_names_added_removed_and_skipped_toggles_and_the_scenarios_that_exe
     assert by["new"]["status"] == "added" and by["gone"]["status"] == "removed"
     assert "cuda_only" not in by, "a toggle that does not run here is not part of the default set"
     assert by["kernel"]["forced"] and not by["kept"]["forced"], "approx toggles are teacher-forced"
-    assert by[REFERENCE]["scenarios"] == ["single", "eviction"], "the reference runs wherever a toggle does"
+    assert by[REFERENCE]["scenarios"] == ["single"], "the reference: the golden scenarios and the forced ones"
     plan = make_plan(head, base, Options(toggles=["cuda_only"]), {"short": "abc"})
     assert {lp["label"]: lp["status"] for lp in plan["labels"]}["cuda_only"] == "skip"
     from k3verify.errors import UsageError
