@@ -52,6 +52,7 @@ class UnitDiff:
     not_compared: str | None = None     # scenario changed / REV could not run it
     error: str | None = None            # the working tree's run crashed
     traceback: str | None = None
+    prompts_sha256: str | None = None   # the same on both sides: they ran the same requests
 
     @property
     def changed(self) -> bool:
@@ -302,7 +303,8 @@ def judge(plan: dict, diffs: dict[tuple[str, str], UnitDiff], contracts: dict[tu
                 allowed, why = True, ""
             for kind in KINDS:
                 kd = d.kinds[kind]
-                ev = {"change": "changed" if kd.changed else "unchanged", "compared": kd.compared, **kd.evidence}
+                ev = {"change": "changed" if kd.changed else "unchanged", "compared": kd.compared,
+                      "prompts_sha256": d.prompts_sha256, **kd.evidence}
                 if not kd.changed:
                     rows.append(_row(label, contract, f"base_diff.{kind}", scenario, "pass", kd.reason, evidence=ev))
                     continue

@@ -336,6 +336,6 @@ def _diffs(plan: dict, base_units: dict, head_units: dict) -> dict[tuple[str, st
                               f"(prompts sha256 {brec['prompts_sha256'][:12]} vs {hrec['prompts_sha256'][:12]}); "
                               f"nothing to compare")
         else:
-            d.kinds = diff_captures(bcap, hcap, u["scenario"])
+            d.kinds, d.prompts_sha256 = diff_captures(bcap, hcap, u["scenario"]), hrec["prompts_sha256"]
         out[(u["label"], u["scenario"])] = d
     return out
