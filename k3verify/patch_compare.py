@@ -318,7 +318,7 @@ def judge(plan: dict, diffs: dict[tuple[str, str], UnitDiff], contracts: dict[tu
                             f"no longer equals the working tree's reference: {why} (localise it with "
                             f"`k3verify diff --toggle {label}`)")
                 else:
-                    tail = (f"within budget on the working tree ({why})" if allowed else
+                    tail = (f"within budget on the working tree: {why.removeprefix('within budget: ')}" if allowed else
                             f"over budget on the working tree: {why}")
                 rows.append(_row(label, contract, f"base_diff.{kind}", scenario, "pass" if allowed else "fail",
                                  f"{head}; {tail}", findings=kd.findings,
@@ -374,12 +374,15 @@ def _summary(plan, diffs, rows, ref_changed, golden, toggle_words, broken_exact)
         ref_text = "no"
     nothing = not ref_changed and not toggle_words and not not_compared and not errors and not added and not removed
     if nothing:
-        line = (f"this patch changes no bits: the reference and {n_toggles} toggles are bit-identical to "
-                f"{base} on {len(scenarios)} scenarios ({', '.join(scenarios)})")
+        toggles = "1 toggle is" if n_toggles == 1 else f"{n_toggles} toggles are"
+        on = "1 scenario" if len(scenarios) == 1 else f"{len(scenarios)} scenarios"
+        line = (f"this patch changes no bits: the reference and {toggles} bit-identical to "
+                f"{base} on {on} ({', '.join(scenarios)})")
     else:
         parts = [f"this patch changes the reference: {ref_text}"]
         changed = [(t, w) for t, w in toggle_words if not w.startswith("new")]
-        parts.append(f"changes {len(changed)} toggles' bits: " + ", ".join(f"{t} ({w})" for t, w in changed)
+        whose = "1 toggle's" if len(changed) == 1 else f"{len(changed)} toggles'"
+        parts.append(f"changes {whose} bits: " + ", ".join(f"{t} ({w})" for t, w in changed)
                      if changed else "changes no toggle's bits")
         parts.append("every exact contract still holds: " + ("yes" if not broken_exact else
                                                              f"NO ({', '.join(broken_exact)})"))

@@ -63,8 +63,8 @@ def summary_markdown(result: dict, verdict: str, report_md: str | None = None) -
     c, t = meta["cache"], meta["timings"]
     base_how = (f"{c['hits']} units from the cache" if not c["computed"] else
                 f"{c['computed']} units run, {c['hits']} from the cache")
-    lines += ["", f"REV side: {base_how} ({t.get('base_s', 0):.0f} s); working tree {t.get('head_s', 0):.0f} s; "
-                  f"contracts {t.get('contracts_s', 0):.0f} s; total {t.get('total_s', 0):.0f} s"
+    lines += ["", f"REV side: {base_how} ({t.get('base_s', 0):.1f} s); working tree {t.get('head_s', 0):.1f} s; "
+                  f"contracts {t.get('contracts_s', 0):.1f} s; total {t.get('total_s', 0):.1f} s"
               + (f". Full report: `{report_md}`" if report_md else "")]
     return "\n".join(lines) + "\n"
 
