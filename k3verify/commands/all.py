@@ -10,6 +10,7 @@ caught, a gate failed), 2 when the run could not be made (bad suite, unknown tog
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from rich.table import Table
@@ -33,6 +34,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--report-dir", type=Path, metavar="DIR",
                         help="run directory (default reports/<run-id>); with --resume, the run directory to resume")
     parser.add_argument("--resume", metavar="RUN_ID", help="finish an interrupted run: skip its finished checks")
+    parser.add_argument("--base", nargs="?", const="@merge-base", default=None, metavar="REV",
+                        help="add the patch diff against git revision REV (default: the merge base with main) "
+                             "for the suite's toggles: `k3verify diff --base`, as a section of this report")
     add_model_flag(parser)
     add_json_flag(parser)
 
@@ -122,9 +126,18 @@ def run(args) -> int:
         run_dir = args.report_dir or REPORTS_DIR / run_id     # a --report-dir holding a run: refused by the CLI
         plan = run_all.new_plan(suite, args.model, model, run_id, command)
     gate_args = run_all.precheck(plan, run_dir)   # what a unit would refuse: exit 2 before any work
+    if args.base is not None:               # a bad REV: exit 2 before any work
+        from k3verify.patch_diff import checkout_root, resolve_base
+        resolve_base(checkout_root(None), args.base)
     with Display(plan, gate_args) as display:
         results, ran = run_all.execute(plan, model, run_dir, display=display)
     con = console()
+    patch_line = None
+    if args.base is not None:               # issue 21: a section of its own, not a unit of the plan
+        from k3verify.patch_report import suite_section
+        patch_rows, patch_line = suite_section(plan, run_dir, args.base,
+                                               lambda msg: print(f"    {msg}", file=sys.stderr, flush=True))
+        results = results + patch_rows
     report, paths = run_all.write_combined(plan, model, run_dir, results)
     con.print(verdict_table(report))
     s, nc = report["summary"], report["negative_controls"]
@@ -133,6 +146,8 @@ def run(args) -> int:
     con.print(f"verdict: {s['verdict']}  ({s['passed']} pass, {s['failed']} fail, {s['skipped']} skip, "
               f"{s['errors']} error{undecided}; toggles counted {counted}/{len(report['verdicts'])}; "
               f"mutants caught {nc['caught']}/{nc['total']}; {ran} of {len(plan['units'])} units run now)")
+    if patch_line:
+        con.print(f"patch diff: {patch_line}  ({run_dir / 'patch-diff' / 'summary.md'})")
     con.print(f"report: {paths['md']}  junit: {paths['junit']}  resume with: --resume {plan['run_id']}")
     if args.json:
         emit_json({"run_id": plan["run_id"], "verdict": s["verdict"], "report": str(paths["json"]), "summary": s,

@@ -20,8 +20,9 @@ HELP = "judge one toggle against the reference path (bitwise / drift budget) and
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--toggle", required=True, action="append", metavar="NAME",
-                        help="toggle to judge (repeat to judge several, each on its own)")
+    parser.add_argument("--toggle", action="append", metavar="NAME",
+                        help="toggle to judge (repeat to judge several, each on its own); with --base: "
+                             "narrows the toggles compared (default every toggle that runs here)")
     parser.add_argument("--scenario", action="append", metavar="S", help="scenario name (repeatable); default: a standard set")
     parser.add_argument("--scale", type=float, default=1.0, help="scenario size multiplier (default 1.0)")
     parser.add_argument("--seed", type=int, default=0, help="scenario seed (default 0)")
@@ -35,6 +36,14 @@ def add_arguments(parser) -> None:
     add_model_flag(parser)
     add_device_flag(parser)
     add_json_flag(parser)
+    # issue 21: what THIS PATCH changes, bit for bit, against REV (k3verify/patch_diff.py)
+    parser.add_argument("--base", nargs="?", const="@merge-base", default=None, metavar="REV",
+                        help="compare the working tree with git revision REV (default: the merge base with "
+                             "main): the reference and every toggle, changed or unchanged per tensor")
+    parser.add_argument("--repo", default=None, metavar="DIR",
+                        help="with --base: the git checkout to diff (default: the one holding the current directory)")
+    parser.add_argument("--summary", action="store_true",
+                        help="with --base: print summary.md (a merge-request comment) at the end")
 
 
 def results_table(results, title: str) -> Table:
@@ -68,6 +77,11 @@ def run(args) -> int:
     from k3verify import verify, workloads
     from k3verify.errors import UsageError
 
+    if args.base is not None:
+        from k3verify.patch_report import run_command
+        return run_command(args)
+    if not args.toggle:
+        raise UsageError("diff needs --toggle NAME (or --base [REV] to diff this patch against a revision)")
     if args.world_size < 1:
         raise UsageError(f"--world-size: expected an integer >= 1, got {args.world_size}")
     if args.backend == "vllm":
