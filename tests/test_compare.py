@@ -1,4 +1,4 @@
-"""k3verify.compare: ULP distance, bitwise/tolerance findings, logit distances, hashes."""
+"""k3verify.compare.tensors: ULP distance, bitwise/tolerance findings, logit distances, hashes."""
 
 import json
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from k3verify.compare import (
+from k3verify.compare.tensors import (
     HIST_LABELS,
     ULP_MAX,
     Finding,

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3verify import workloads
-from k3verify.gate import check_toggle
+from k3verify.scenarios import workloads
+from k3verify.verdict.gate import check_toggle
 from optimized_stack import load_model
 from optimized_stack import toggles as registry
 from optimized_stack.kernels.kda import fla

@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from k3verify import cli
-from k3verify import golden_hashes as gh
+from k3verify.compare import golden as gh
 from optimized_stack import load_model
 from optimized_stack.model import model as model_module
 from optimized_stack.model import ops
@@ -127,7 +127,7 @@ def test_a_drift_on_another_machine_is_still_a_drift_when_its_primitives_agree(m
 
 
 def _golden_cli(action: str, directory, **env: str) -> subprocess.CompletedProcess:
-    code = ("import sys; from k3verify import golden_hashes as gh, cli; gh.GOLDEN_SCENARIOS = (('single', 0.25),); "
+    code = ("import sys; from k3verify.compare import golden as gh; from k3verify import cli; gh.GOLDEN_SCENARIOS = (('single', 0.25),); "
             f"sys.exit(cli.main(['golden', '{action}', '--dir', {str(directory)!r}, '--reason', 'test']))")
     base = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
     return subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,

@@ -10,11 +10,12 @@ import pytest
 import torch
 
 import optimized_stack
-from k3verify import cli, workloads
-from k3verify.capture import Capture
-from k3verify.compare import hash_tensor
-from k3verify.nonfinite import NonFinite, first_nonfinite
-from k3verify.runner import run_scenario
+from k3verify import cli
+from k3verify.scenarios import workloads
+from k3verify.capture.capture import Capture
+from k3verify.compare.tensors import hash_tensor
+from k3verify.capture.nonfinite import NonFinite, first_nonfinite
+from k3verify.run.sequential import run_scenario
 from model_fixtures import model  # noqa: F401  (the module-scoped k3-mini fixture)
 from nonfinite_fixtures import VALUES, poisoned
 from optimized_stack.engine.options import SamplingParams

@@ -15,9 +15,9 @@ import json
 import pytest
 
 import optimized_stack
-from k3verify import workloads
+from k3verify.scenarios import workloads
 from k3verify.cli import main
-from k3verify.gate import EXACT_CHECKS, ReferenceRuns, _drift, check_toggle
+from k3verify.verdict.gate import EXACT_CHECKS, ReferenceRuns, _drift, check_toggle
 from model_fixtures import model  # noqa: F401  (the module-scoped k3-mini fixture)
 from nonfinite_fixtures import VALUES, candidate_poison, poisoned, poisoned_weight
 from optimized_stack import toggles as registry

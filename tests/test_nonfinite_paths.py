@@ -10,13 +10,14 @@ import math
 import pytest
 import torch
 
-import k3verify.tp_runner  # noqa: F401  (registers the TP toggles)
-from k3verify import golden_hashes as gh
-from k3verify import vllm_diff, workloads
-from k3verify.backends import vllm_backend as vb
-from k3verify.bench import bench_toggle
-from k3verify.capture import Capture
-from k3verify.gate import ReferenceRuns, check_toggle
+import k3verify.run.tp  # noqa: F401  (registers the TP toggles)
+from k3verify.compare import golden as gh
+from k3verify.serving.backends import vllm_diff
+from k3verify.scenarios import workloads
+from k3verify.serving.backends import vllm_backend as vb
+from k3verify.perf.bench import bench_toggle
+from k3verify.capture.capture import Capture
+from k3verify.verdict.gate import ReferenceRuns, check_toggle
 from k3verify.localize import localize_request
 from model_fixtures import model  # noqa: F401  (the module-scoped k3-mini fixture)
 from nonfinite_fixtures import VALUES, candidate_poison, poisoned, poisoned_weight

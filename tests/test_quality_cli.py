@@ -1,4 +1,4 @@
-"""Quality-gate commands (gsm8k, needle, kvv, serve) and k3verify.quality, offline.
+"""Quality-gate commands (gsm8k, needle, kvv, serve) and k3verify.quality.gates, offline.
 
 The CLI runs use a tiny seeded 2-layer model (one KDA, one MLA layer) written to a
 temp dir, so a GSM8K question or a 1024-token needle costs seconds on 2 cores.
@@ -17,9 +17,9 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from k3verify import quality  # noqa: E402
-from k3verify.evals import needle  # noqa: E402
-from k3verify.evals.gsm8k import lookup_generate_fn  # noqa: E402
+from k3verify.quality import gates as quality  # noqa: E402
+from k3verify.quality.evals import needle  # noqa: E402
+from k3verify.quality.evals.gsm8k import lookup_generate_fn  # noqa: E402
 from optimized_stack import toggles  # noqa: E402
 from optimized_stack.model import ops  # noqa: E402
 from shared_data import SHARED  # noqa: E402
@@ -126,7 +126,7 @@ def test_gsm8k_issue_16_command_on_the_embedded_model(capsys, tmp_path):
 def test_gsm8k_cli_base_url_matches_the_embedded_model(capsys, tmp_path, tiny_model):
     # lm-eval's local-completions client needs lm-eval's API extra (tenacity)
     pytest.importorskip("tenacity", reason="lm-eval[api] (tenacity) is needed for --base-url")
-    from k3verify.serve import ServerThread, build_embedded_app
+    from k3verify.serving.lifecycle import ServerThread, build_embedded_app
 
     common = ["--limit", 2, "--data-dir", DATA, "--num-fewshot", 0, "--max-new-tokens", 4]
     with ServerThread(build_embedded_app(tiny_model)) as server:
@@ -286,7 +286,7 @@ def test_needle_108k_cell_runs_on_the_cpu(capsys, tmp_path):
 # ---------------------------------------------------------------------------
 
 def test_kvv_cli_passes_against_k3verify_serve(capsys, tmp_path, tiny_model):
-    from k3verify.serve import ServerThread, build_embedded_app
+    from k3verify.serving.lifecycle import ServerThread, build_embedded_app
 
     with ServerThread(build_embedded_app(tiny_model)) as server:
         code, out, _ = cli(capsys, "kvv", "--base-url", server.base_url, "--max-tokens", 4,
@@ -301,7 +301,7 @@ def test_kvv_cli_passes_against_k3verify_serve(capsys, tmp_path, tiny_model):
 
 def test_kvv_cli_fails_a_server_without_the_contract(capsys, tmp_path, tiny_model):
     # negative control: the same server with K3's request rules off must fail the reject checks
-    from k3verify.serve import ServerThread, build_embedded_app
+    from k3verify.serving.lifecycle import ServerThread, build_embedded_app
 
     with ServerThread(build_embedded_app(tiny_model, enforce_contract=False)) as server:
         code, _, _ = cli(capsys, "kvv", "--base-url", server.base_url, "--only", "params.reject",

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from k3verify.compare import compare_logits, compare_tensors
+from k3verify.compare.tensors import compare_logits, compare_tensors
 from k3verify.errors import UsageError
 from k3verify.report import (SCHEMA_VERSION, build_report, load_report, new_run_id, render_html, render_junit,
                              render_markdown, validate_report, write_report)
@@ -114,7 +114,7 @@ def test_verdict_passes_only_without_failures_or_errors():
 
 def _inconclusive(**over) -> dict:
     """A gsm8k result at n=2 with zero discordance, as the gate writes it."""
-    from k3verify.stats import paired_from_counts
+    from k3verify.quality.stats import paired_from_counts
 
     paired = paired_from_counts(2, 0, 0, 0).to_dict()
     return _result(toggle="kda_chunked", contract="approx(max_kl=0.001)", check="gsm8k/strict-match",
@@ -235,7 +235,7 @@ def test_html_is_self_contained_with_plots():
 
 
 def test_html_plots_accuracy_with_intervals():
-    from k3verify.stats import paired_from_counts
+    from k3verify.quality.stats import paired_from_counts
 
     paired = paired_from_counts(n=200, ref_correct=150, b=6, c=3).to_dict()
     report = build_report("r", "c", {}, [_result(check="gsm8k", accuracy=paired),

@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from k3verify import cli, run_all, suites
+from k3verify import cli
+from k3verify.suites import run_all
+from k3verify.suites import suite as suites
 from k3verify.report import load_report
-from k3verify.signoff import render_signoff
+from k3verify.suites.signoff import render_signoff
 from optimized_stack import load_model
 from optimized_stack import toggles as registry
 from optimized_stack.model import ops
@@ -269,7 +271,7 @@ def fake_gate_with_leftover(tmp_path, monkeypatch):
     leftover report of an earlier, interrupted attempt in its gates/<unit>/ directory."""
     import types
 
-    from k3verify import verify
+    from k3verify.kinds import diff as verify
     from k3verify.report import build_report, write_report
 
     def run(args):

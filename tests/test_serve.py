@@ -12,11 +12,12 @@ import torch
 pytest.importorskip("fastapi")
 import httpx  # noqa: E402
 
-from k3verify.backends.base import (ProgramConstraint, SamplingParams, json_object_program,  # noqa: E402
+from k3verify.serving.backends.base import (ProgramConstraint, SamplingParams, json_object_program,  # noqa: E402
                                     tool_call_program)
-from k3verify.backends.embedded import EmbeddedBackend, decode, pick_token  # noqa: E402
-from k3verify.evals.kvv import schema_errors  # noqa: E402
-from k3verify.serve import ServerThread, create_app  # noqa: E402
+from k3verify.serving.backends.embedded import EmbeddedBackend, decode, pick_token  # noqa: E402
+from k3verify.quality.evals.kvv import schema_errors  # noqa: E402
+from k3verify.serving.app import create_app  # noqa: E402
+from k3verify.serving.lifecycle import ServerThread  # noqa: E402
 from optimized_stack import load_model  # noqa: E402
 from optimized_stack.errors import K3Error  # noqa: E402
 from optimized_stack.tokenizer import ByteTokenizer  # noqa: E402
@@ -247,6 +248,6 @@ def test_models_lists_the_served_model(client):
 
 
 def test_serve_main_refuses_a_bad_port_before_loading():
-    from k3verify.serve import serve_main
+    from k3verify.serving.lifecycle import serve_main
     with pytest.raises(K3Error, match=r"port must be an integer in \[0, 65535\], got 70000"):
         serve_main(port=70000)

@@ -1,5 +1,5 @@
 """Speculative decoding (optimized_stack/engine/spec.py): both exact toggles judged by the
-verifier's own gate (k3verify.gate.check_toggle: tokens, every logits row, every KDA state
+verifier's own gate (k3verify.verdict.gate.check_toggle: tokens, every logits row, every KDA state
 point, MLA rows) on spec_repetitive and spec_random, at low acceptance (the prompt-lookup
 drafter) and high acceptance (an oracle drafter that proposes the reference continuation
 with deterministic corruptions, so full, partial and reject-first verifications all
@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3verify import workloads
-from k3verify.gate import ReferenceRuns, check_toggle
+from k3verify.scenarios import workloads
+from k3verify.verdict.gate import ReferenceRuns, check_toggle
 from optimized_stack import K3Error, toggles
 from optimized_stack.engine import Engine, EngineOptions, SamplingParams
 from optimized_stack.engine import engine as engine_module

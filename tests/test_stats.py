@@ -1,4 +1,4 @@
-"""k3verify.stats: paired accuracy statistics against hand-computed tables, published worked
+"""k3verify.quality.stats: paired accuracy statistics against hand-computed tables, published worked
 examples, and an independent implementation of Tango's score bound."""
 
 import json
@@ -10,7 +10,7 @@ import pytest
 from scipy import optimize
 
 from k3verify.errors import UsageError
-from k3verify.stats import (
+from k3verify.quality.stats import (
     PairedResult,
     binom_cdf,
     mcnemar_exact_p,

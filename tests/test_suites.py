@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
-from k3verify import cli, run_all, suites
+from k3verify import cli
+from k3verify.suites import run_all
+from k3verify.suites import suite as suites
 from k3verify.errors import UsageError
 from optimized_stack import toggles as registry
 

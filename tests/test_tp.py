@@ -11,11 +11,11 @@ import time
 import pytest
 import torch
 
-import k3verify.tp_runner  # noqa: F401  (registers the TP toggles)
-from k3verify import workloads
-from k3verify.compare import compare_logits
-from k3verify.gate import ReferenceRuns, check_toggle, compare_captures
-from k3verify.runner import run_scenario
+import k3verify.run.tp  # noqa: F401  (registers the TP toggles)
+from k3verify.scenarios import workloads
+from k3verify.compare.tensors import compare_logits
+from k3verify.verdict.gate import ReferenceRuns, check_toggle, compare_captures
+from k3verify.run.sequential import run_scenario
 from optimized_stack import load_model
 from optimized_stack import toggles as registry
 from optimized_stack.errors import K3Error

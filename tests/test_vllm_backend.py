@@ -13,9 +13,9 @@ import json
 import pytest
 import torch
 
-from k3verify.backends import tiny_hf_model
-from k3verify.backends.tiny_hf_model import VOCAB_SIZE, make_tiny_llama, model_hash
-from k3verify.backends.vllm_backend import (
+from k3verify.serving.backends import tiny_hf_model
+from k3verify.serving.backends.tiny_hf_model import VOCAB_SIZE, make_tiny_llama, model_hash
+from k3verify.serving.backends.vllm_backend import (
     REFERENCE,
     TOGGLES,
     candidate_settings,
@@ -169,8 +169,8 @@ def test_unavailable_interpreter_gives_a_skip_reason(tmp_path):
 def test_cli_diff_backend_vllm_report(tmp_path, capsys):
     """`k3verify diff --backend vllm` end to end: the rerun control is bitwise (exit 0) and
     the bf16 control must fail (exit 1), both through the same report format."""
-    from k3verify.backends import tiny_hf_model
-    from k3verify.backends.vllm_backend import vllm_unavailable_reason
+    from k3verify.serving.backends import tiny_hf_model
+    from k3verify.serving.backends.vllm_backend import vllm_unavailable_reason
     from k3verify.cli import main
 
     reason = vllm_unavailable_reason()

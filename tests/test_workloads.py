@@ -1,11 +1,11 @@
-"""k3verify.workloads: determinism, boundaries where claimed, reuse arithmetic, vocab and size bounds."""
+"""k3verify.scenarios.workloads: determinism, boundaries where claimed, reuse arithmetic, vocab and size bounds."""
 
 import itertools
 
 import pytest
 
 from k3verify.errors import UsageError
-from k3verify.workloads import (BLOCK_TOKENS, BOUNDARY_LENGTHS, FORK_BLOCK_POINTS, FORK_SUBBLOCK_POINTS,
+from k3verify.scenarios.workloads import (BLOCK_TOKENS, BOUNDARY_LENGTHS, FORK_BLOCK_POINTS, FORK_SUBBLOCK_POINTS,
                                 MAX_DEFAULT_TOKENS, SCENARIOS, SYSTEM_PREFIX_TOKENS, RequestSpec, Scenario, build,
                                 common_prefix_len, list_scenarios, repeated_ngram_fraction, reusable_fraction,
                                 reusable_prefix_tokens)

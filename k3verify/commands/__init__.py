@@ -15,16 +15,17 @@ for every command (json_output); a command only prints through console() and emi
 
 from __future__ import annotations
 
+from k3verify import REPO_ROOT
+
 import contextlib
 import json
 import os
 import sys
-from pathlib import Path
 from typing import Any, Iterator, TextIO
 
 from rich.console import Console
 
-REPORTS_DIR = Path(__file__).resolve().parents[2] / "reports"     # default parent of reports/<run-id>/
+REPORTS_DIR = REPO_ROOT / "reports"     # default parent of reports/<run-id>/
 
 
 class _JsonSink:

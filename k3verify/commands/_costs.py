@@ -45,8 +45,8 @@ def unit_cost_s(unit: dict, args: argparse.Namespace | None = None) -> float:
     kind, o = unit["kind"], unit["options"]
     sides = 2 if unit["toggle"] else 1
     if kind in ("diff", "drift"):
-        from k3verify import workloads
-        from k3verify.bench import scenario_tokens
+        from k3verify.scenarios import workloads
+        from k3verify.perf.bench import scenario_tokens
         return diff_s(scenario_tokens(workloads.build(unit["scenario"], scale=o["scale"], seed=o["seed"])))
     if kind == "selftest":
         return SELFTEST_S * o["scale"]
@@ -59,8 +59,8 @@ def unit_cost_s(unit: dict, args: argparse.Namespace | None = None) -> float:
         samples = args.samples if args else 1
         return sides * samples * len(o["depths"]) * sum(needle_case_s(n) for n in o["lengths"])
     if kind == "bench":
-        from k3verify.bench import scenario_tokens, workload
-        from k3verify.suites import bench_options
+        from k3verify.perf.bench import scenario_tokens, workload
+        from k3verify.suites.suite import bench_options
         kw = bench_options(o["args"])
         return bench_s(scenario_tokens(workload(kw["workload"], kw["scale"])), kw["repeats"])
     return OTHER_S

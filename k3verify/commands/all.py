@@ -101,9 +101,9 @@ def _resume_dir(args) -> Path:
 def run(args) -> int:
     from optimized_stack import load_model
 
-    from k3verify import run_all
+    from k3verify.suites import run_all
     from k3verify.report import new_run_id
-    from k3verify.suites import load_suite
+    from k3verify.suites.suite import load_suite
 
     command = command_line()
     if args.resume:

@@ -31,7 +31,8 @@ def add_arguments(parser) -> None:
 
 
 def _items(args) -> list[Item]:
-    from k3verify import bench, workloads
+    from k3verify.perf import bench
+    from k3verify.scenarios import workloads
 
     items = []
     if args.capture_overhead:
@@ -44,7 +45,7 @@ def _items(args) -> list[Item]:
 
 def _overhead_result(row: dict, duration_s: float) -> dict:
     """A measurement, not a toggle's speedup: its ratio is recorded and never counted."""
-    from k3verify.run_all import result
+    from k3verify.suites.run_all import result
 
     return result(None, "capture_overhead", "pass",
                   f"hash capture costs {row['overhead']:+.1%} time against no capture ({row['repeats']} pairs)",
@@ -60,8 +61,9 @@ def run(args) -> int:
     from optimized_stack import load_model
     from optimized_stack import toggles as registry
 
-    from k3verify import bench, verify
-    from k3verify.run_all import bench_result
+    from k3verify.perf import bench
+    from k3verify.kinds import diff as verify
+    from k3verify.suites.run_all import bench_result
 
     for t in args.toggle or ():
         registry.get(t)
@@ -70,7 +72,7 @@ def run(args) -> int:
     model = load_model(args.model, device=device, **model_load_options(args))
     hbm = None
     if device == "cuda" and args.workload == "decode":
-        from k3verify.gpu_bench import hbm_copy_bandwidth
+        from k3verify.perf.gpu_bench import hbm_copy_bandwidth
         hbm = hbm_copy_bandwidth()
     rows, results = [], []
     with RunProgress("bench", items, log_prefix="  timing ") as bar:

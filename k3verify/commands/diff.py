@@ -53,8 +53,8 @@ def _items(args) -> list[Item]:
     """One progress item per (toggle, scenario) judge() will run, costed by the scenario's tokens."""
     from optimized_stack import toggles as registry
 
-    from k3verify import verify
-    from k3verify.bench import scenario_tokens
+    from k3verify.kinds import diff as verify
+    from k3verify.perf.bench import scenario_tokens
 
     return [Item(f"{name} on {sc.name}", "diff", diff_s(scenario_tokens(sc)))
             for name in args.toggle
@@ -65,7 +65,8 @@ def run(args) -> int:
     from optimized_stack import load_model
     from optimized_stack import toggles as registry
 
-    from k3verify import verify, workloads
+    from k3verify.kinds import diff as verify
+    from k3verify.scenarios import workloads
     from k3verify.errors import UsageError
 
     if args.world_size < 1:
@@ -73,7 +74,7 @@ def run(args) -> int:
     if args.backend == "vllm":
         return _run_vllm(args)
     if args.world_size > 1:
-        import k3verify.tp_runner  # noqa: F401  (registers the TP toggles)
+        import k3verify.run.tp  # noqa: F401  (registers the TP toggles)
     for name in args.toggle:
         registry.get(name)                       # unknown names: exit 2 before any work
     for name in args.scenario or ():
@@ -110,9 +111,9 @@ def _result_rows(results: list[dict]) -> list[dict]:
 
 
 def _run_vllm(args) -> int:
-    from k3verify import verify
+    from k3verify.kinds import diff as verify
     from k3verify.errors import UsageError
-    from k3verify.vllm_diff import judge_vllm
+    from k3verify.serving.backends.vllm_diff import judge_vllm
 
     if args.model is None:
         raise UsageError("--backend vllm needs --model DIR (a Hugging Face model directory)")

@@ -32,7 +32,7 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from optimized_stack import load_model
 
-    from k3verify import golden_hashes as gh
+    from k3verify.compare import golden as gh
 
     directory = args.dir or gh.GOLDEN_DIR
     model = load_model(args.model, **model_load_options(args))

@@ -3,7 +3,7 @@
 Without --toggle it measures the reference path (or --base-url through lm-eval's
 local-completions model). With --toggle T the same questions and prompts (same
 few-shot seed) are answered again with T applied, joined per question (doc_id and
-lm-eval's prompt hash) and judged by the paired test at --margin (k3verify.stats):
+lm-eval's prompt hash) and judged by the paired test at --margin (k3verify.quality.stats):
 pass, fail, or inconclusive when n cannot resolve the margin; never a raw score
 compare. Exit 0 pass, 1 fail or inconclusive (a gate that could not decide lets
 nothing through; the last line says what n would), 2 bad input. --smoke marks the
@@ -138,7 +138,7 @@ validate = _validate          # `k3verify all` runs the same checks on a suite's
 
 def _questions(args) -> int:
     """How many questions each side answers (for the progress line): --limit, else the test split."""
-    from k3verify.evals.gsm8k import SYNTH_TEST_N
+    from k3verify.quality.evals.gsm8k import SYNTH_TEST_N
 
     if args.dataset == "synth":
         size = SYNTH_TEST_N
@@ -179,8 +179,9 @@ def verdict_line(verdict: str, results: list[dict]) -> str:
 
 
 def run(args) -> int:
-    from k3verify import quality, verify
-    from k3verify.evals.gsm8k import greedy_generate_fn
+    from k3verify.quality import gates as quality
+    from k3verify.kinds import diff as verify
+    from k3verify.quality.evals.gsm8k import greedy_generate_fn
 
     _validate(args)
     model = None

@@ -55,8 +55,8 @@ def results_table(results, title: str) -> Table:
 
 
 def _check_endpoint(args, base_url: str):
-    from k3verify import quality
-    from k3verify.evals.kvv import run_kvv
+    from k3verify.quality import gates as quality
+    from k3verify.quality.evals.kvv import run_kvv
 
     name = args.model_name or served_model(base_url)
     started = time.perf_counter()
@@ -89,7 +89,7 @@ def validate(args) -> None:
     if args.only:
         import types
 
-        from k3verify.evals.kvv import _plan       # the check names run_kvv matches --only against:
+        from k3verify.quality.evals.kvv import _plan       # the check names run_kvv matches --only against:
         stub = types.SimpleNamespace(base_url="http://127.0.0.1/v1", model="m")   # building the plan sends nothing
         names = [n for n, _ in _plan(stub, False, args.max_tokens, args.structured_max_tokens)]
         unknown = [p for p in args.only if not any(n.startswith(p) for n in names)]
@@ -98,15 +98,16 @@ def validate(args) -> None:
 
 
 def run(args) -> int:
-    from k3verify import quality, verify
+    from k3verify.quality import gates as quality
+    from k3verify.kinds import diff as verify
 
     validate(args)
     if args.action == "import":
-        from k3verify.evals.kvv import import_kvv_results
+        from k3verify.quality.evals.kvv_ranges import import_kvv_results
         gate, title = quality.kvv_import_gate(import_kvv_results(args.file)), f"kvv import {args.file}"
     else:
         if args.self_serve:
-            from k3verify.serve import ServerThread, build_embedded_app
+            from k3verify.serving.lifecycle import ServerThread, build_embedded_app
             with ServerThread(build_embedded_app(args.model, **model_load_options(args))) as server:
                 gate, title = _check_endpoint(args, server.base_url)
         else:

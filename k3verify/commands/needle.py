@@ -1,6 +1,6 @@
 """`k3verify needle`: RULER-style needle recall per (length, depth) cell on the embedded model.
 
-Each cell's prompt (k3verify.evals.needle, lengths in byte-tokenizer tokens) is
+Each cell's prompt (k3verify.quality.evals.needle, lengths in byte-tokenizer tokens) is
 prefilled, then up to 12 tokens are greedy-decoded and the 7-digit value is
 matched exactly. --fast runs with kda_chunked + mla_sdpa (chunked KDA, fused
 SDPA attention with O(T) memory); above 16K tokens that choice is made
@@ -88,7 +88,7 @@ def validate(args) -> list:
     in its pre-check, so a suite value the run would refuse is refused before any work)."""
     from optimized_stack.errors import K3Error
 
-    from k3verify.evals import needle
+    from k3verify.quality.evals import needle
 
     lengths, depths = _int_list(args.lengths), _float_list(args.depths)
     if args.samples < 1:
@@ -106,7 +106,8 @@ def validate(args) -> list:
 
 
 def run(args) -> int:
-    from k3verify import quality, verify
+    from k3verify.quality import gates as quality
+    from k3verify.kinds import diff as verify
 
     cases = validate(args)
     fast, auto_reason = quality.choose_fast(max(c.length_tokens for c in cases), args.fast)

@@ -26,8 +26,8 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from optimized_stack import load_model
 
-    from k3verify import verify
-    from k3verify.selftest import run_selftest
+    from k3verify.kinds import diff as verify
+    from k3verify.kinds.selftest import run_selftest
 
     from optimized_stack import toggles as registry
 

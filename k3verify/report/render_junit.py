@@ -13,7 +13,7 @@ import re
 import xml.etree.ElementTree as ET
 from typing import Any, Mapping
 
-from .render_md import finding_failed, finding_message, format_mapping, format_speedup, num
+from k3verify.report.render_md import finding_failed, finding_message, format_mapping, format_speedup, num
 
 _XML_INVALID = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
 _ID_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")

