@@ -13,6 +13,8 @@ import math
 import re
 from typing import Any, Iterable, Mapping
 
+from k3verify.verdict.result import STATUS
+
 # Tuple-typed Finding fields that to_dict turned into lists.
 _TUPLE_FIELDS = ("shape", "max_ulp_index", "max_abs_index", "max_rel_index", "first_index_tuple", "first_flip_tokens")
 _FLOAT_FIELDS = ("atol", "rtol", "max_abs", "max_rel", "kl_max", "kl_mean", "top1_agreement")
@@ -131,15 +133,19 @@ def format_mapping(d: Mapping[str, Any] | None) -> str:
 
 
 def summary_counts(summary: Mapping[str, Any]) -> str:
-    """'3 passed, 0 failed, 1 skipped, 0 errors, 2 inconclusive' (the last only when there are any)."""
+    """'3 passed, 0 failed, 1 skipped, 0 errors, 2 inconclusive, 1 not exercised' (the last two only
+    when there are any)."""
     text = (f"{summary.get('passed', 0)} passed, {summary.get('failed', 0)} failed, "
             f"{summary.get('skipped', 0)} skipped, {summary.get('errors', 0)} errors")
-    return text + (f", {summary['inconclusive']} inconclusive" if summary.get("inconclusive") else "")
+    text += f", {summary['inconclusive']} inconclusive" if summary.get("inconclusive") else ""
+    return text + (f", {summary['not_exercised']} not exercised" if summary.get("not_exercised") else "")
 
 
 def status_text(r: Mapping[str, Any]) -> str:
-    """The status as the views show it: a smoke test says so beside its status."""
-    return str(r.get("status", "?")) + (" (smoke)" if r.get("role") == "smoke" else "")
+    """The status as the views show it ("not exercised"); a smoke test says so beside its status."""
+    status = r.get("status", "?")
+    shown = STATUS[status].label if status in STATUS else str(status)
+    return shown + (" (smoke)" if r.get("role") == "smoke" else "")
 
 
 def result_title(r: Mapping[str, Any]) -> str:
@@ -187,7 +193,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         shown = status_text(r)
         if r.get("status") in ("fail", "error"):
             shown = f"**{shown.upper()}**"
-        elif r.get("status") == "inconclusive":
+        elif r.get("status") in ("inconclusive", "not_exercised"):
             shown = f"*{shown}*"
         duration = num(r.get("duration_s"))
         cells = [r.get("toggle"), r.get("kind"), r.get("contract"), r.get("check"), r.get("scenario") or "-", shown,
@@ -213,6 +219,11 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     if undecided:
         lines += ["", "## Inconclusive (not a pass)", ""]
         lines += [f"- {result_title(r)}: {_cell(r.get('reason', ''))}" for r in undecided]
+
+    unexercised = [r for r in results if r.get("status") == "not_exercised"]
+    if unexercised:
+        lines += ["", "## Not exercised (not a pass: the toggle's code path never ran)", ""]
+        lines += [f"- {result_title(r)}: {_cell(r.get('reason', ''))}" for r in unexercised]
 
     skips = [r for r in results if r.get("status") == "skip"]
     if skips:
