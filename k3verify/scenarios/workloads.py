@@ -12,22 +12,20 @@ MAX_DEFAULT_TOKENS prompt + new tokens. `scale` stretches the free lengths
 BLOCK_TOKENS boundaries or fork points do not move with scale, because they are
 the point of the scenario.
 
-Reusable fraction: requests are taken in arrival order (arrival_step, then their
-position); a request's reusable tokens are its longest common prefix with any
-earlier prompt, at token granularity (the engine keeps prefix entries inside a
-block). The fraction is reusable tokens / total prompt tokens. Answers are not
-counted: histories carry a fixed assistant stand-in, not what the model says.
+The registry (SCENARIOS) holds each scenario's name, description and tags as static
+metadata beside its builder, so choosing scenarios for a toggle (scenarios/chooser.py) never
+builds one; `build` runs the builder.
 """
 
 from __future__ import annotations
 
 import difflib
 import random
-from dataclasses import dataclass, field
-from functools import partial
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 from k3verify.errors import UsageError
+from k3verify.scenarios.requests import RequestSpec, Scenario, reusable_fraction
 
 BLOCK_TOKENS = 64  # cache block and prefill chunk size the boundary cases aim at
 SUBBLOCK_TOKENS = 16  # granularity of prefix-cache entries inside a block
@@ -46,138 +44,29 @@ _TOOLS = ("read_file", "write_file", "list_dir", "grep", "run_tests", "apply_pat
 
 
 @dataclass(frozen=True)
-class RequestSpec:
-    request_id: str
-    prompt_ids: tuple[int, ...]
-    max_new_tokens: int
-    arrival_step: int = 0
-    temperature: float = 0.0
-    seed: int | None = None
-    session: str | None = None
-    turn: int = 0
+class ScenarioEntry:
+    """A registered scenario: static metadata, and the builder that makes its requests."""
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.request_id, str) or not self.request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {self.request_id!r}")
-        ids = tuple(self.prompt_ids)
-        if not ids:
-            raise ValueError(f"request {self.request_id}: prompt_ids must be non-empty")
-        bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int) or i < 0]
-        if bad:
-            raise ValueError(f"request {self.request_id}: prompt ids must be ints >= 0, got {bad[0]!r}")
-        object.__setattr__(self, "prompt_ids", ids)
-        for name in ("max_new_tokens", "arrival_step", "turn"):
-            value, low = getattr(self, name), 1 if name == "max_new_tokens" else 0
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"request {self.request_id}: {name} must be an int >= {low}, got {value!r}")
-        if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 2.0:
-            raise ValueError(f"request {self.request_id}: temperature must be in [0, 2], got {self.temperature!r}")
-        if self.temperature > 0 and self.seed is None:
-            # An unseeded sampled request cannot be compared between two runs.
-            raise ValueError(f"request {self.request_id}: temperature {self.temperature} needs a seed")
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.prompt_ids)
-
-
-@dataclass(frozen=True)
-class Scenario:
     name: str
     description: str
     tags: tuple[str, ...]
-    requests: tuple[RequestSpec, ...]
-    engine_hints: dict = field(default_factory=dict)
-    reusable_fraction: float | None = None
-    # What the builder guarantees, for tests and reports: fork points, lengths, sizes.
-    meta: dict = field(default_factory=dict)
+    builder: Callable[["_Gen", float], dict]
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "tags", tuple(self.tags))
-        object.__setattr__(self, "requests", tuple(self.requests))
-        if not self.requests:
-            raise ValueError(f"scenario {self.name}: needs at least one request")
-        ids = [r.request_id for r in self.requests]
-        dupes = sorted({i for i in ids if ids.count(i) > 1})
-        if dupes:
-            raise ValueError(f"scenario {self.name}: duplicate request ids {dupes}")
-        if self.reusable_fraction is not None and not 0.0 <= self.reusable_fraction <= 1.0:
-            raise ValueError(f"scenario {self.name}: reusable_fraction must be in [0, 1], got {self.reusable_fraction}")
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(r.prompt_len for r in self.requests)
-
-    @property
-    def new_tokens(self) -> int:
-        return sum(r.max_new_tokens for r in self.requests)
-
-    @property
-    def max_token_id(self) -> int:
-        return max(max(r.prompt_ids) for r in self.requests)
-
-    def request(self, request_id: str) -> RequestSpec:
-        for r in self.requests:
-            if r.request_id == request_id:
-                return r
-        raise KeyError(f"scenario {self.name} has no request {request_id!r}")
-
-    def summary(self) -> dict[str, Any]:
-        """JSON-ready description for reports (no token ids)."""
-        return {
-            "name": self.name, "description": self.description, "tags": list(self.tags),
-            "requests": len(self.requests), "prompt_tokens": self.prompt_tokens,
-            "new_tokens": self.new_tokens, "reusable_fraction": self.reusable_fraction,
-            "engine_hints": dict(self.engine_hints),
-        }
+    def build(self, *, seed: int = 0, scale: float = 1.0, vocab: int = 256) -> Scenario:
+        return build(self.name, seed=seed, scale=scale, vocab=vocab)
 
 
-# ----------------------------------------------------------------- analysis helpers
+SCENARIOS: dict[str, ScenarioEntry] = {}        # in definition order: the chooser's order
 
 
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def arrival_order(requests: Sequence[RequestSpec]) -> list[RequestSpec]:
-    """By arrival_step; ties keep their position (sorted is stable)."""
-    return sorted(requests, key=lambda r: r.arrival_step)
-
-
-def reusable_prefix_tokens(requests: Sequence[RequestSpec]) -> dict[str, int]:
-    """request_id -> longest common prefix with any prompt that arrived before it."""
-    seen: list[tuple[int, ...]] = []
-    out: dict[str, int] = {}
-    for r in arrival_order(requests):
-        out[r.request_id] = max((common_prefix_len(p, r.prompt_ids) for p in seen), default=0)
-        seen.append(r.prompt_ids)
-    return out
-
-
-def reusable_fraction(requests: Sequence[RequestSpec]) -> float:
-    """Reusable prefix tokens / total prompt tokens (see the module docstring)."""
-    total = sum(r.prompt_len for r in requests)
-    if total == 0:
-        raise ValueError("reusable_fraction needs at least one prompt token")
-    return sum(reusable_prefix_tokens(requests).values()) / total
-
-
-def repeated_ngram_fraction(ids: Sequence[int], n: int = 4) -> float:
-    """Fraction of n-grams that already occurred earlier in ids: what prompt-lookup drafting can hit."""
-    grams = [tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)]
-    if not grams:
-        return 0.0
-    seen: set[tuple[int, ...]] = set()
-    hits = 0
-    for g in grams:
-        hits += g in seen
-        seen.add(g)
-    return hits / len(grams)
+def scenario(name: str, *, tags: tuple[str, ...], description: str):
+    """Register a builder (g, scale) -> {"requests", "engine_hints"?, "meta"?}; names are unique."""
+    def register(builder):
+        if name in SCENARIOS:
+            raise ValueError(f"scenario {name!r} is registered twice")
+        SCENARIOS[name] = ScenarioEntry(name, description, tuple(tags), builder)
+        return builder
+    return register
 
 
 # ----------------------------------------------------------------- generation
@@ -187,8 +76,9 @@ class _Gen:
     """Seeded text and id generator; everything it returns is already folded into vocab."""
 
     def __init__(self, name: str, seed: int, vocab: int) -> None:
-        # A string seed hashes with sha512 inside random, so it is stable across processes.
-        self.rng = random.Random(f"k3verify.workloads/{name}/{seed}")  # the seed string predates scenarios/: it fixes every prompt
+        # A string seed hashes with sha512 inside random, so it is stable across processes. The
+        # string predates scenarios/ and fixes every prompt (golden hashes record them): keep it.
+        self.rng = random.Random(f"k3verify.workloads/{name}/{seed}")
         self.vocab = vocab
         self.seed = seed
 
@@ -226,15 +116,18 @@ def _n(x: float, scale: float) -> int:
     return max(1, round(x * scale))
 
 
-_Parts = dict  # description, tags, requests, engine_hints, meta
+_Parts = dict  # requests, engine_hints, meta
 
 
+@scenario("single", tags=("basic",),
+          description="one request, whole prompt then 8 greedy decode steps")
 def _single(g: _Gen, scale: float) -> _Parts:
     req = RequestSpec("r0", tuple(g.text(_n(100, scale))), 8)
-    return dict(description="one request, whole prompt then 8 greedy decode steps",
-                tags=("basic",), requests=[req])
+    return dict(requests=[req])
 
 
+@scenario("multi_length", tags=("batching",),
+          description="continuous batching: different lengths, staggered arrivals, one seeded sampled request")
 def _multi_length(g: _Gen, scale: float) -> _Parts:
     lengths = [100, 17, 230, 64, 45, 150]
     new = [8, 12, 6, 10, 16, 8]
@@ -244,21 +137,21 @@ def _multi_length(g: _Gen, scale: float) -> _Parts:
         sampled = i == 4  # one seeded sampled request: the sampler must be deterministic per request
         reqs.append(RequestSpec(f"r{i}", tuple(g.text(_n(length, scale))), m, arrival_step=a,
                                 temperature=0.7 if sampled else 0.0, seed=g.sub_seed() if sampled else None))
-    return dict(description="continuous batching: different lengths, staggered arrivals, one seeded sampled request",
-                tags=("batching",), requests=reqs)
+    return dict(requests=reqs)
 
 
 # Prompt lengths on, just before and just after 64-token boundaries, plus a split inside a block.
 BOUNDARY_LENGTHS = (63, 64, 65, 127, 128, 129, 80)
 
 
+@scenario("boundaries", tags=("boundaries",),
+          description="prompt lengths on and around 64-token chunk/block boundaries; decode across one")
 def _boundaries(g: _Gen, scale: float) -> _Parts:
     reqs = [RequestSpec(f"len{n:03d}", tuple(g.text(n)), 4) for n in BOUNDARY_LENGTHS]
     # Decode crosses the 64 boundary: prompt 60, tokens 61..68 land on both sides of it.
     reqs.append(RequestSpec("len060-decode-cross", tuple(g.text(60)), 8))
     reqs.append(RequestSpec("len001", tuple(g.text(1)), 4))
-    return dict(description="prompt lengths on and around 64-token chunk/block boundaries; decode across one",
-                tags=("boundaries",), requests=reqs,
+    return dict(requests=reqs,
                 meta={"block_tokens": BLOCK_TOKENS, "prompt_lengths": {r.request_id: r.prompt_len for r in reqs}})
 
 
@@ -269,6 +162,9 @@ SYSTEM_PREFIX_TOKENS = 104  # shared by every request of shared_prefix_forks; en
 FORK_BASE_TOKENS = 256
 
 
+@scenario("shared_prefix_forks", tags=("prefix",),
+          description="shared system prefix; forks part at, just before and just after block boundaries and at "
+                      "sub-block points; a full-prompt duplicate")
 def _shared_prefix_forks(g: _Gen, scale: float) -> _Parts:
     system = g.text(SYSTEM_PREFIX_TOKENS, lead="System: You are a careful assistant. ")
     base = system + g.text(FORK_BASE_TOKENS - SYSTEM_PREFIX_TOKENS, lead="User: ")
@@ -282,9 +178,7 @@ def _shared_prefix_forks(g: _Gen, scale: float) -> _Parts:
     # The same prompt again: a full hit that still has to produce the last position's logits.
     reqs.append(RequestSpec("dup256", tuple(base), 6, arrival_step=2 + len(points)))
     forks["dup256"] = FORK_BASE_TOKENS
-    return dict(description="shared system prefix; forks part at, just before and just after block "
-                            "boundaries and at sub-block points; a full-prompt duplicate",
-                tags=("prefix",), requests=reqs,
+    return dict(requests=reqs,
                 meta={"system_prefix_tokens": SYSTEM_PREFIX_TOKENS, "fork_points": forks, "base": "base"})
 
 
@@ -307,6 +201,9 @@ def _conversation(g: _Gen, prefix: list[int], session: str, turns: int, user_tok
     return reqs, after
 
 
+@scenario("multi_turn", tags=("prefix",),
+          description="3 sessions x 3 turns; every turn re-sends the history (assistant stand-in) plus a new "
+                      "user message")
 def _multi_turn(g: _Gen, scale: float) -> _Parts:
     system = g.text(_n(48, scale), lead="System: Answer briefly. ")
     reqs = []
@@ -314,16 +211,19 @@ def _multi_turn(g: _Gen, scale: float) -> _Parts:
         conv, _ = _conversation(g, system, f"s{s}", turns=3, user_tokens=_n(28, scale),
                                 assistant_tokens=_n(20, scale), first_arrival=s, gap=10, max_new=6)
         reqs += conv
-    return dict(description="3 sessions x 3 turns; every turn re-sends the history (assistant stand-in) plus a new "
-                            "user message", tags=("prefix",), requests=reqs)
+    return dict(requests=reqs)
 
 
+@scenario("long_prompt", tags=("long",),
+          description="one long prompt through chunked prefill (not a multiple of the chunk size)")
 def _long_prompt(g: _Gen, scale: float) -> _Parts:
     req = RequestSpec("long", tuple(g.text(_n(1500, scale), lead="Document: ")), 8)
-    return dict(description="one long prompt through chunked prefill (not a multiple of the chunk size)",
-                tags=("long",), requests=[req])
+    return dict(requests=[req])
 
 
+@scenario("eviction", tags=("prefix", "eviction"),
+          description="three prefix families cycled under a device cache smaller than two of them, so every "
+                      "reuse is an evict-then-restore (or recompute)")
 def _eviction(g: _Gen, scale: float) -> _Parts:
     families = {f: g.text(_n(160, scale), lead=f"Project {f}: ") for f in "ABC"}
     reqs = []
@@ -333,24 +233,24 @@ def _eviction(g: _Gen, scale: float) -> _Parts:
             # Spaced arrivals, so each family's prefix is cached and pushed out before it comes back.
             reqs.append(RequestSpec(f"{f}{rnd}", tuple(g.diverge(prefix, len(prefix), _n(24, scale))), 6,
                                     arrival_step=i * 12))
-    return dict(description="three prefix families cycled under a device cache smaller than two of them, so "
-                            "every reuse is an evict-then-restore (or recompute)",
-                tags=("prefix", "eviction"), requests=reqs,
-                engine_hints={"device_cache_tokens": 256},
+    return dict(requests=reqs, engine_hints={"device_cache_tokens": 256},
                 meta={"family_prefix_tokens": {f: len(p) for f, p in families.items()}})
 
 
+@scenario("preemption", tags=("preemption",),
+          description="six concurrent requests over a 4-block MLA pool and four KDA state slots: preempt, swap "
+                      "and resume")
 def _preemption(g: _Gen, scale: float) -> _Parts:
     lengths = [40, 90, 65, 120, 30, 75]
     reqs = [RequestSpec(f"r{i}", tuple(g.text(_n(n, scale))), 8 + 2 * i) for i, n in enumerate(lengths)]
     # A tight MLA pool is what forces preemption (a small KDA pool only caps concurrency):
     # 256 tokens = 4 blocks, while two of these requests together need up to 6.
-    return dict(description="six concurrent requests over a 4-block MLA pool and four KDA state "
-                            "slots: preempt, swap and resume",
-                tags=("preemption",), requests=reqs,
-                engine_hints={"kda_pool_slots": 4, "device_cache_tokens": 256})
+    return dict(requests=reqs, engine_hints={"kda_pool_slots": 4, "device_cache_tokens": 256})
 
 
+@scenario("agentic", tags=("prefix", "agentic"),
+          description="AgentX shape: shared system/tools prefix, sessions re-sending their history, subagents "
+                      "forked from a parent's history")
 def _agentic(g: _Gen, scale: float) -> _Parts:
     tools = "".join(f"tool {name}(path): {g.sentence(3, 6)}\n" for name in _TOOLS)
     prefix = g.text(_n(512, scale), lead="System: You are a coding agent.\nTools:\n" + tools)
@@ -368,67 +268,48 @@ def _agentic(g: _Gen, scale: float) -> _Parts:
                                    first_arrival=conv[fork_turn + 1].arrival_step + 4, gap=12, max_new=6,
                                    first_user=task)
             reqs += sub
-    return dict(description="AgentX shape: shared system/tools prefix, sessions re-sending their history, "
-                            "subagents forked from a parent's history",
-                tags=("prefix", "agentic"), requests=reqs, meta={"system_prefix_tokens": len(prefix)})
+    return dict(requests=reqs, meta={"system_prefix_tokens": len(prefix)})
 
 
+@scenario("spec_repetitive", tags=("spec",),
+          description="prompts made of repeated sentences: prompt-lookup drafts get accepted")
 def _spec_repetitive(g: _Gen, scale: float) -> _Parts:
     reqs = []
     for i in range(3):
         motifs = [g.sentence(3, 5) for _ in range(1 + i)]  # 1, 2, 3 short sentences cycled
         body = "".join(motifs[k % len(motifs)] for k in range(64))
         reqs.append(RequestSpec(f"rep{i}", tuple(g.fold(body.encode()[:_n(192, scale)])), 24))
-    return dict(description="prompts made of repeated sentences: prompt-lookup drafts get accepted",
-                tags=("spec",), requests=reqs)
+    return dict(requests=reqs)
 
 
+@scenario("spec_random", tags=("spec",),
+          description="random bytes: few repeated n-grams, drafts mostly rejected")
 def _spec_random(g: _Gen, scale: float) -> _Parts:
     reqs = [RequestSpec(f"rnd{i}", tuple(g.random_ids(_n(192, scale))), 24) for i in range(3)]
-    return dict(description="random bytes: few repeated n-grams, drafts mostly rejected",
-                tags=("spec",), requests=reqs)
-
-
-_BUILDERS: dict[str, Callable[[_Gen, float], _Parts]] = {
-    "single": _single,
-    "multi_length": _multi_length,
-    "boundaries": _boundaries,
-    "shared_prefix_forks": _shared_prefix_forks,
-    "multi_turn": _multi_turn,
-    "long_prompt": _long_prompt,
-    "eviction": _eviction,
-    "preemption": _preemption,
-    "agentic": _agentic,
-    "spec_repetitive": _spec_repetitive,
-    "spec_random": _spec_random,
-}
+    return dict(requests=reqs)
 
 
 def build(name: str, *, seed: int = 0, scale: float = 1.0, vocab: int = 256) -> Scenario:
     """The named scenario; the same (name, seed, scale, vocab) always gives the same requests."""
-    if name not in _BUILDERS:
-        close = difflib.get_close_matches(str(name), list(_BUILDERS), n=1)
+    if name not in SCENARIOS:
+        close = difflib.get_close_matches(str(name), list(SCENARIOS), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise UsageError(f"unknown scenario {name!r}{hint} (known: {', '.join(_BUILDERS)})")
+        raise UsageError(f"unknown scenario {name!r}{hint} (known: {', '.join(SCENARIOS)})")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise UsageError(f"scenario seed must be an integer, got {seed!r}")
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0.0 < scale <= 64.0:
         raise UsageError(f"scenario scale must be a number in (0, 64], got {scale!r}")
     if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 2:
         raise UsageError(f"vocab must be an integer >= 2, got {vocab!r}")
-    parts = _BUILDERS[name](_Gen(name, seed, vocab), float(scale))
+    entry = SCENARIOS[name]
+    parts = entry.builder(_Gen(name, seed, vocab), float(scale))
     requests = tuple(parts["requests"])
     meta = {"seed": seed, "scale": float(scale), "vocab": vocab, **parts.get("meta", {})}
-    return Scenario(name=name, description=parts["description"], tags=tuple(parts["tags"]), requests=requests,
+    return Scenario(name=name, description=entry.description, tags=entry.tags, requests=requests,
                     engine_hints=dict(parts.get("engine_hints", {})),
                     reusable_fraction=reusable_fraction(requests), meta=meta)
 
 
-SCENARIOS: dict[str, Callable[..., Scenario]] = {name: partial(build, name) for name in _BUILDERS}
-
-
 def list_scenarios(tag: str | None = None) -> list[str]:
-    """Scenario names in definition order; with `tag`, only those carrying it."""
-    if tag is None:
-        return list(_BUILDERS)
-    return [name for name in _BUILDERS if tag in build(name, scale=0.25).tags]
+    """Scenario names in definition order; with `tag`, only those carrying it (static tags: nothing is built)."""
+    return [name for name, entry in SCENARIOS.items() if tag is None or tag in entry.tags]
