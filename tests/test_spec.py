@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from k3verify.scenarios import workloads
-from k3verify.verdict.gate import ReferenceRuns, check_toggle
+from k3verify.run.runner import Runner
+from k3verify.verdict.gate import check_toggle
 from optimized_stack import K3Error, toggles
 from optimized_stack.engine import Engine, EngineOptions, SamplingParams
 from optimized_stack.engine import engine as engine_module
@@ -40,7 +41,7 @@ MUTANT_CHECK = {                      # mutant -> (scenario, the check asserted 
 
 @pytest.fixture(scope="module")
 def refs(model):
-    return ReferenceRuns(model)
+    return Runner(model)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +68,7 @@ def _stats(made: list[Speculator]):
 
 
 def _judge(model, name, sc, refs):
-    results = check_toggle(model, name, sc, references=refs, localize_failures=False)
+    results = check_toggle(model, name, sc, runner=refs, localize_failures=False)
     return {r.check: r for r in results}
 
 
@@ -109,7 +110,7 @@ class OracleDrafter(NgramDrafter):
 @pytest.mark.parametrize("name", SPEC_TOGGLES)
 def test_toggle_bitwise_at_high_acceptance(model, refs, scenarios, speculators, monkeypatch, name):
     sc = scenarios["spec_repetitive"]
-    ref = refs.get(sc)
+    ref = refs.reference(sc)
     seqs = [list(r.prompt_ids) + ref.requests[r.request_id].tokens for r in sc.requests]
     monkeypatch.setattr(OracleDrafter, "sequences", seqs)
     monkeypatch.setattr(spec_module, "NgramDrafter", OracleDrafter)
@@ -124,7 +125,7 @@ def test_toggle_bitwise_at_high_acceptance(model, refs, scenarios, speculators, 
 def test_spec_run_takes_fewer_steps_at_high_acceptance(model, refs, scenarios, monkeypatch):
     """The point of it: accepted drafts turn into fewer engine steps for the same tokens."""
     sc = scenarios["spec_repetitive"]
-    ref = refs.get(sc)
+    ref = refs.reference(sc)
     monkeypatch.setattr(OracleDrafter, "sequences",
                         [list(r.prompt_ids) + ref.requests[r.request_id].tokens for r in sc.requests])
     monkeypatch.setattr(spec_module, "NgramDrafter", OracleDrafter)
