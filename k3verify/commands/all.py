@@ -9,22 +9,21 @@ caught, a gate failed), 2 when the run could not be made (bad suite, unknown tog
 """
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from rich.table import Table
 
+from k3verify import kinds
 from k3verify.commands import (REPORTS_DIR, add_json_flag, add_model_flag, command_line, console, emit_json,
                                model_load_options)
-from k3verify.commands._costs import unit_cost_s
 from k3verify.commands._progress import Item, RunProgress
 from k3verify.errors import UsageError
+from k3verify.verdict.result import STATUSES
 
 NAME = "all"
 HELP = "run a check suite (premerge, release or FILE): every toggle, gate and control; one report, a verdict per toggle"
 COLOURS = {"pass": "green", "fail": "red", "skip": "yellow", "error": "magenta", "inconclusive": "yellow",
-           "counted": "green", "rejected": "red", "skipped": "yellow"}
-STATUSES = ("pass", "fail", "skip", "error", "inconclusive")  # report/schema.py STATUSES
+           "not_exercised": "yellow", "counted": "green", "rejected": "red", "skipped": "yellow"}
 
 
 def add_arguments(parser) -> None:
@@ -39,10 +38,11 @@ def add_arguments(parser) -> None:
 
 class Display:
     """The progress line (units done/total, elapsed, ETA from per-kind costs) and a live
-    per-toggle count on a terminal (stderr); off a terminal one plain line per unit on stderr."""
+    per-toggle count on a terminal (stderr); off a terminal one plain line per unit on stderr.
+    Units report into it as a kinds.base.Progress (note / done / advance)."""
 
-    def __init__(self, plan: dict, gate_args: dict[str, argparse.Namespace]):
-        items = [Item(u["id"], u["kind"], unit_cost_s(u, gate_args.get(u["id"]))) for u in plan["units"]]
+    def __init__(self, units: list):
+        items = [Item(u.id, u.kind, kinds.cost_s(u)) for u in units]
         self.counts: dict[str, dict[str, int]] = {}
         self.bar = RunProgress("all", items, extra=self._table)
         self.running = False
@@ -62,14 +62,20 @@ class Display:
             table.add_row(toggle, *(f"[{COLOURS[s]}]{n[s]}[/]" if n[s] else "0" for s in STATUSES))
         return table
 
-    def start(self, unit: dict) -> None:
+    def start(self, unit) -> None:
         self.running = True
-        self.bar.step(f"{unit['id']} ...")
+        self.bar.step(f"{unit.id} ...")
 
-    def step(self, message: str) -> None:
+    def note(self, message: str) -> None:
         self.bar.note("  " + message)              # off a terminal: indented under its unit's line
 
-    def done(self, unit: dict, rows: list[dict]) -> None:
+    def advance(self, n: int = 1) -> None:         # a unit's own items (questions) are not units
+        pass
+
+    def done(self, message: str) -> None:         # a unit's own item finished (a needle case)
+        self.note(message)
+
+    def unit_done(self, unit, rows: list[dict]) -> None:
         for r in rows:
             n = self.counts.setdefault(r["toggle"], dict.fromkeys(STATUSES, 0))
             n[r["status"]] += 1
@@ -101,8 +107,8 @@ def _resume_dir(args) -> Path:
 def run(args) -> int:
     from optimized_stack import load_model
 
-    from k3verify.suites import run_all
     from k3verify.report import new_run_id
+    from k3verify.suites import run_all, verdicts
     from k3verify.suites.suite import load_suite
 
     command = command_line()
@@ -121,11 +127,11 @@ def run(args) -> int:
         run_id = new_run_id("all")
         run_dir = args.report_dir or REPORTS_DIR / run_id     # a --report-dir holding a run: refused by the CLI
         plan = run_all.new_plan(suite, args.model, model, run_id, command)
-    gate_args = run_all.precheck(plan, run_dir)   # what a unit would refuse: exit 2 before any work
-    with Display(plan, gate_args) as display:
-        results, ran = run_all.execute(plan, model, run_dir, display=display)
+    # every value a unit would refuse was refused when the suite was parsed: exit 2 before any work
+    with Display(run_all.plan_units(plan)) as display:
+        results, ran = run_all.execute(plan, model, run_dir, display=display, load_options=model_load_options(args))
     con = console()
-    report, paths = run_all.write_combined(plan, model, run_dir, results)
+    report, paths = verdicts.write_combined(plan, model, run_dir, results)
     con.print(verdict_table(report))
     s, nc = report["summary"], report["negative_controls"]
     counted = sum(v["verdict"] == "counted" for v in report["verdicts"])

@@ -3,7 +3,7 @@
 `record` runs the reference path (no toggles) on a fixed small scenario set and stores
 each scenario's capture hashes (Capture.to_json: every logit row, every KDA state
 point, MLA rows at the end, the token streams) in golden/hashes/<env-key>.json.
-`check` re-runs and compares with the gate's own comparator (gate.compare_captures),
+`check` re-runs and compares with the gate's own comparator (compare/captures.py),
 so a torch upgrade or a "harmless" refactor of a reference op that changes bits is
 reported with its location: scenario, request, position/step, tensor, layer.
 
@@ -12,7 +12,7 @@ device, dtype, thread count, the BLAS code branch), so the file is keyed by thos
 in an environment with no file is a skip that says so, never a failure. The CPU reference
 pins MKL's code branch (optimized_stack/numerics.py), so the bits do not depend on which
 kernels MKL would pick for the processor. What may still differ from machine to machine is
-caught by the primitive probe (numerics_probe.py): the recorded file lists every rounding
+caught by the primitive probe (primitive_probe.py): the recorded file lists every rounding
 primitive the reference called with its bits; when a check mismatches and one of those
 primitives gives other bits here from the same inputs, the file does not apply to this
 machine (a skip naming the op and the record command); when all agree, the mismatch is a
@@ -38,11 +38,11 @@ import torch
 
 from optimized_stack.numerics import mkl_state
 
-from k3verify.compare import primitive_probe as numerics_probe
+from k3verify.compare import primitive_probe
 from k3verify.scenarios import workloads
 from k3verify.capture.capture import Capture
 from k3verify.errors import UsageError
-from k3verify.verdict.gate import EXACT_CHECKS, compare_captures
+from k3verify.compare.captures import EXACT_CHECKS, compare_captures
 from k3verify.io import atomic_write_json
 from k3verify.report.environment import model_fingerprint
 from k3verify.run.sequential import run_scenario
@@ -113,7 +113,7 @@ def capture_reference(model, scenarios: tuple[tuple[str, float], ...] | None = N
             out[name] = {"scale": scale, "prompts_sha256": _prompt_digest(sc),
                          "capture": run_scenario(model, sc, ()).to_json()}
         return out
-    return numerics_probe.record(run)
+    return primitive_probe.record(run)
 
 
 def golden_path(model, directory: Path = GOLDEN_DIR) -> Path:
@@ -247,7 +247,7 @@ def _attribute(gc: GoldenCheck, entry: dict[str, Any]) -> GoldenCheck:
     if not primitives:
         gc.reason += " (this golden file predates the primitive probe: machine and drift cannot be told apart)"
         return gc
-    differing, count = numerics_probe.first_difference(primitives)
+    differing, count = primitive_probe.first_difference(primitives)
     if differing is None:
         gc.reason += (f"; all {len(primitives)} rounding primitives the recorded reference called give the "
                       f"recorded bits here, so the code or the model changed, not the machine")
@@ -255,7 +255,7 @@ def _attribute(gc: GoldenCheck, entry: dict[str, Any]) -> GoldenCheck:
     rec_cpu = (entry.get("machine") or {}).get("cpu_model") or "unknown CPU"
     here = machine()
     reason = (f"the golden hashes do not apply to this machine: {count} of {len(primitives)} rounding primitives "
-              f"give other bits here from the same inputs, first {numerics_probe.describe(differing)} "
+              f"give other bits here from the same inputs, first {primitive_probe.describe(differing)} "
               f"(recorded on {rec_cpu}, MKL {(entry.get('machine') or {}).get('mkl_cnr_branch')}; this is "
               f"{here.get('cpu_model')}, MKL {here.get('mkl_cnr_branch')}); record this machine's with "
               f"`k3verify golden record --reason ...` (drift is then checked against them)")
@@ -263,20 +263,5 @@ def _attribute(gc: GoldenCheck, entry: dict[str, Any]) -> GoldenCheck:
         if v.status == "fail":
             v.status, v.reason = "skip", f"{v.reason}; {reason}"
     return GoldenCheck("skip", reason, gc.env_key, gc.path, gc.model_id, gc.scenarios,
-                       primitive={"op": differing["op"], "describe": numerics_probe.describe(differing),
+                       primitive={"op": differing["op"], "describe": primitive_probe.describe(differing),
                                   "differing": count, "recorded": len(primitives)})
-
-
-def to_results(gc: GoldenCheck, duration_s: float = 0.0) -> list[dict[str, Any]]:
-    """Report results (schema v1): one per scenario, or one skip when there is nothing to compare."""
-    base = {"toggle": "(reference)", "kind": "optimization", "contract": "exact", "check": "golden",
-            "findings": [], "localization": None, "caught": None, "speedup": None,
-            "evidence": {"env_key": gc.env_key, "golden_file": gc.path, "model_id": gc.model_id,
-                         **({"machine_difference": gc.primitive} if gc.primitive else {})}}
-    if not gc.scenarios:
-        return [{**base, "scenario": None, "status": gc.status, "reason": gc.reason, "first_divergence": None,
-                 "duration_s": duration_s}]
-    each = duration_s / len(gc.scenarios)
-    return [{**base, "scenario": v.scenario, "status": v.status, "reason": v.reason,
-             "first_divergence": v.first_divergence, "duration_s": each,
-             "evidence": {**base["evidence"], "divergences": v.divergences}} for v in gc.scenarios]

@@ -1,84 +1,78 @@
-"""Self-test: every real toggle passes its contract, every mutant is caught by the check
-that should catch it, and localisation names the component where the mutant lives.
+"""Check kind `selftest`: every real toggle passes its contract, every mutant is caught by the
+check that should catch it, and localisation names the component where the mutant lives.
 
-A check that cannot fail is a defect; this is where the project proves none of its
-checks is one.
+A check that cannot fail is a defect; this is where the project proves none of its checks is
+one. One unit per registry entry (toggles and mutants), each judged on the cheapest scenario
+that exercises it (scenarios/chooser.py); a toggle that only exists at W > 1 (tensor
+parallel) is judged at its smallest W. `k3verify selftest`, a suite's `kind = "selftest"` and
+the GPU run's verdicts all run these units.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from k3verify.scenarios.chooser import choose
+from k3verify.scenarios.workloads import build
+from k3verify.verdict.gate import check_toggle
+from k3verify.verdict.result import Result, Subject
 
-from optimized_stack import toggles as toggle_registry
+from .base import CheckSpec, Context, Unit, check_scale
 
-from k3verify.scenarios import workloads
-from k3verify.verdict.gate import ReferenceRuns, check_toggle
-
-SELFTEST_SCENARIO = "single"
-
-
-def _scenario_for(toggle, scale: float):
-    """The cheapest scenario the toggle (or the toggle it mutates) applies to."""
-    tags = set(toggle.scenario_tags) | set(toggle.exercised_by)
-    if toggle.mutant_of:
-        of = toggle_registry.get(toggle.mutant_of)
-        tags |= set(of.scenario_tags) | set(of.exercised_by)
-    if not tags:
-        return workloads.build(SELFTEST_SCENARIO, scale=scale)
-    tagged = [sc for sc in (workloads.build(n, scale=scale) for n in workloads.SCENARIOS) if tags & set(sc.tags)]
-    if not tagged:
-        return workloads.build(SELFTEST_SCENARIO, scale=scale)
-    # cheapest first: the selftest proves the check can fail, it does not need the biggest case
-    return min(tagged, key=lambda sc: sum(len(r.prompt_ids) + r.max_new_tokens for r in sc.requests))
+NAME = "selftest"
+OPTIONS = {"scale": 1.0}
+ALL_S = 120.0          # the whole selftest at scale 1 on the 2-core dev CPU (NOTES.md), for progress only
 
 
-def run_selftest(model, *, scale: float = 1.0, device: str = "cpu",
-                 progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
-    refs_by_world: dict[int, ReferenceRuns] = {}
-    out: list[dict[str, Any]] = []
-    try:
-        for toggle in toggle_registry.all_toggles():
-            # a toggle that only exists at W > 1 (tensor parallel) is judged at its smallest W
-            world = 1 if 1 in toggle.world_sizes else min(toggle.world_sizes)
-            refs = refs_by_world.setdefault(world, ReferenceRuns(model, world_size=world))
-            judge_one(model, toggle, refs, scale, device, progress, out)
-    finally:
-        for refs in refs_by_world.values():
-            refs.close()
-    return out
+def validate(o: dict) -> None:
+    check_scale(o["scale"])
 
 
-def judge_one(model, toggle, refs: ReferenceRuns, scale: float, device: str, progress, out: list) -> None:
-    """Judge one toggle (or mutant) and append its selftest result to `out`."""
-    if device not in toggle.devices:
-        out.append({"toggle": toggle.name, "kind": toggle.kind, "contract": toggle.contract.describe(),
-                    "check": "selftest", "scenario": None, "status": "skip",
-                    "reason": f"runs on {', '.join(toggle.devices)}, not {device}", "findings": [],
-                    "first_divergence": None, "localization": None, "caught": None,
-                    "duration_s": 0.0, "speedup": None})
-        return
-    sc = _scenario_for(toggle, scale)
-    if progress:
-        progress(f"{toggle.name} on {sc.name}")
-    results = check_toggle(model, toggle.name, sc, references=refs)
+def scenario_for(toggle, scale: float) -> str:
+    """The cheapest scenario that exercises the toggle (or the toggle it mutates)."""
+    return choose(toggle, one=True, scale=scale).names[0]
+
+
+def plan(spec: CheckSpec) -> list[Unit]:
+    """One unit per registry entry, on the cheapest scenario that exercises it."""
+    from optimized_stack import toggles as registry
+    scale = spec.options["scale"]
+    return [Unit(spec.kind, spec.name, spec.options, t.name, scenario_for(t, scale), check_index=spec.index)
+            for t in registry.all_toggles()]
+
+
+def cost_s(unit: Unit) -> float:
+    from optimized_stack import toggles as registry
+    return ALL_S * unit.options["scale"] / max(1, len(registry.all_toggles()))
+
+
+def run(unit: Unit, ctx: Context) -> list[Result]:
+    from optimized_stack import toggles as registry
+
+    toggle = registry.get(unit.toggle)
+    subject = Subject.of(toggle.name)
+    if ctx.device not in toggle.devices:
+        return [Result.skipped(subject, NAME, f"runs on {', '.join(toggle.devices)}, not {ctx.device}")]
+    world = 1 if 1 in toggle.world_sizes else min(toggle.world_sizes)
+    runner = ctx.runner(world)
+    sc = build(unit.scenario, scale=unit.options["scale"])
+    results = check_toggle(ctx.model, toggle.name, sc, runner=runner)
     failed = {r.check for r in results if r.status == "fail"}
     errors = [r for r in results if r.status == "error"]
-    base = {"toggle": toggle.name, "kind": toggle.kind, "contract": toggle.contract.describe(),
-            "check": "selftest", "scenario": sc.name, "duration_s": sum(r.duration_s for r in results) /
-            max(1, len(results)), "speedup": None}
+    common = dict(scenario=sc.name, duration_s=sum(r.duration_s for r in results) / max(1, len(results)),
+                  findings=[f for r in results for f in r.findings][:2],
+                  first_divergence=next((r.first_divergence for r in results if r.first_divergence), None))
     if toggle.kind == "optimization":
-        ok = not failed and not errors
-        reason = ("contract holds: " + "; ".join(f"{r.check} {r.reason}" for r in results)) if ok else (
-            "a real toggle failed its contract: " + "; ".join(f"{r.check}: {r.reason}" for r in results
-                                                               if r.status == "fail"))
-        out.append({**base, "status": "pass" if ok else "fail", "reason": reason,
-                    "findings": [f for r in results for f in r.findings][:2],
-                    "first_divergence": next((r.first_divergence for r in results if r.first_divergence), None),
-                    "localization": None, "caught": None})
-        return
+        if not failed and not errors:
+            return [Result.passed(subject, "selftest", "contract holds: " + "; ".join(
+                f"{r.check} {r.reason}" for r in results), **common)]
+        return [Result.failed(subject, "selftest", "a real toggle failed its contract: " + "; ".join(
+            f"{r.check}: {r.reason}" for r in results if r.status == "fail"), **common)]
+    return [_mutant(toggle, subject, results, failed, multi_request=bool(toggle.engine) or world > 1, **common)]
+
+
+def _mutant(toggle, subject: Subject, results: list[Result], failed: set[str], *, multi_request: bool,
+            **common) -> Result:
     caught_by = sorted(failed & set(toggle.caught_by))
     loc = next((r.localization for r in results if r.localization), None)
     where = (loc or {}).get("component")
-    multi_request = bool(toggle.engine) or refs.world_size > 1
     unavailable = where is None and multi_request
     # An engine / multi-rank fault cannot be replayed one request at a time; it is localised
     # from the state checks instead, which name the layer and state tensor where it is FIRST
@@ -89,20 +83,16 @@ def judge_one(model, toggle, refs: ReferenceRuns, scale: float, device: str, pro
     localised = toggle.lives_in is None or where == toggle.lives_in or unavailable or (
         multi_request and where is not None)
     caught = bool(caught_by)
+    if caught and localised:
+        if multi_request and where is not None and where != toggle.lives_in:
+            where = f"{where} (first seen; lives in {toggle.lives_in})"
+        where_text = ("not localisable by single-process replay (engine / multi-rank fault; see first "
+                      "divergence)" if unavailable else f"localised to {where}")
+        return Result.passed(subject, "selftest", f"caught by {', '.join(caught_by)}; {where_text}",
+                             localization=loc, caught=True, **common)
     problems = []
     if not caught:
         problems.append(f"not caught by {', '.join(toggle.caught_by)} (failed checks: {sorted(failed) or 'none'})")
-    if caught and not localised:
+    else:
         problems.append(f"localised to {where!r}, expected {toggle.lives_in!r}")
-    status = "pass" if caught and localised else "fail"
-    if multi_request and where is not None and where != toggle.lives_in:
-        where = f"{where} (first seen; lives in {toggle.lives_in})"
-    where_text = ("not localisable by single-process replay (engine / multi-rank fault; see first "
-                  "divergence)" if unavailable
-                  else f"localised to {where}")
-    reason = (f"caught by {', '.join(caught_by)}; {where_text}" if status == "pass"
-              else "; ".join(problems))
-    out.append({**base, "status": status, "reason": reason,
-                "findings": [f for r in results for f in r.findings][:2],
-                "first_divergence": next((r.first_divergence for r in results if r.first_divergence), None),
-                "localization": loc, "caught": caught})
+    return Result.failed(subject, "selftest", "; ".join(problems), localization=loc, caught=caught, **common)

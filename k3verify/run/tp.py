@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 
-import optimized_stack.parallel.toggle_defs  # noqa: F401  (registers the TP toggles)
 from optimized_stack import toggles as toggle_registry
 from optimized_stack.engine.sampler import NonFiniteLogits
 from optimized_stack.errors import K3Error
