@@ -6,7 +6,8 @@ Workload (seeded, closed loop): a shared system/tools prefix; sessions whose eve
 re-sends the whole history plus new user tokens (a turn is submitted when the previous
 one finishes); after each session's first turn a subagent fork continues from that
 history with different tokens. Runs are interleaved A/B in one process (ref, cand, ref,
-cand, ...) and the speedup is the median of the per-pair time ratios. Each candidate's
+cand, ...) and the speedup is perf/ab.py's: the geometric mean of the per-pair time ratios
+with a 95% t-interval (the statistic every k3verify speed ratio uses). Each candidate's
 tokens are checked against the reference (a fast toggle that changes tokens is flagged).
 Prints a table, then one line of JSON.
 """
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from dataclasses import dataclass
 
@@ -24,8 +24,14 @@ from optimized_stack import load_model, toggles
 from optimized_stack.engine.engine import Engine
 from optimized_stack.engine.options import EngineOptions, SamplingParams
 
-EXACT = ["continuous_batching", "chunked_prefill", "prefix_cache", "prefix_cache_subblock",
-         "ckpt_with_mla_tail", "projected_kv_cache", "host_kv_tier", "preemption"]
+from k3verify.perf.ab import ABResult
+
+
+def exact_engine_toggles() -> list[str]:
+    """The exact engine toggles from the registry, speculation aside (its drafts want their own
+    workload, and the "all exact" configuration stacks everything else on one engine)."""
+    return [t.name for t in toggles.all_toggles("optimization")
+            if t.engine and t.contract.kind == "exact" and "speculative" not in t.engine]
 
 
 @dataclass(frozen=True)
@@ -81,12 +87,13 @@ def bench(args: argparse.Namespace) -> dict:
     _, ref_tokens, ref_eng = drive(model, wl, EngineOptions())          # warm-up + oracle
     rm = ref_eng.metrics
     work_tokens = rm.prompt_tokens + rm.generated_tokens
-    configs = [[t] for t in (args.toggles or EXACT)] + [EXACT]
+    exact = exact_engine_toggles()
+    configs = [[t] for t in (args.toggles or exact)] + [exact]
     rows = []
     for names in configs:
         label = "all exact" if names is configs[-1] else names[0]
         ref_times, cand_times = [], []
-        exact = True
+        same = True
         extra = {} if args.device_tokens is None else {"device_cache_tokens": args.device_tokens}
         for _ in range(args.repeats):
             # the pair's reference runs outside the candidate's patches (an op swap must not leak)
@@ -95,16 +102,14 @@ def bench(args: argparse.Namespace) -> dict:
                 opts = EngineOptions.from_dict({**applied.engine, **extra})
                 dt, tokens, eng = drive(model, wl, opts)
             cand_times.append(dt)
-            exact = exact and tokens == ref_tokens
+            same = same and tokens == ref_tokens
         m = eng.metrics
-        ratios = [r / c for r, c in zip(ref_times, cand_times)]
-        rows.append({"config": label, "ref_tok_s": work_tokens / statistics.median(ref_times),
-                     "cand_tok_s": work_tokens / statistics.median(cand_times),
-                     "speedup_median": statistics.median(ratios), "speedup_min": min(ratios),
-                     "speedup_max": max(ratios), "hit_tokens": m.prefix_hit_tokens,
+        ab = ABResult("reference", label, ref_times, cand_times, work_tokens).to_dict()
+        rows.append({"config": label, "ref_tok_s": ab["tokens_per_s_a"], "cand_tok_s": ab["tokens_per_s_b"],
+                     "speedup": ab["ratio"], "ci95": ab["ci95"], "hit_tokens": m.prefix_hit_tokens,
                      "hit_rate": m.hit_rate, "tokens_computed": m.tokens_computed,
                      "evictions": m.evictions, "restores": m.restores, "preemptions": m.preemptions,
-                     "same_tokens": exact})
+                     "same_tokens": same})
     return {"model": args.model, "threads": args.threads, "repeats": args.repeats,
             "requests": rm.requests_finished, "prompt_tokens": rm.prompt_tokens,
             "generated_tokens": rm.generated_tokens, "reusable_tokens": rm.reusable_tokens,
@@ -116,13 +121,13 @@ def print_table(res: dict) -> None:
           f"generated tokens; theoretical reusable prefix {res['reusable_tokens']} tokens "
           f"({100 * res['reusable_fraction']:.1f}% of prompt tokens); threads={res['threads']}, "
           f"repeats={res['repeats']}")
-    head = f"{'config':22} {'ref tok/s':>10} {'cand tok/s':>10} {'speedup':>8} {'[min-max]':>13} " \
+    head = f"{'config':22} {'ref tok/s':>10} {'cand tok/s':>10} {'speedup':>8} {'[95% CI]':>13} " \
            f"{'hit tok':>8} {'hit/reus':>8} {'computed':>8} {'evict':>5} {'restore':>7} {'preempt':>7} {'same':>5}"
     print(head)
     print("-" * len(head))
     for r in res["rows"]:
-        print(f"{r['config']:22} {r['ref_tok_s']:10.0f} {r['cand_tok_s']:10.0f} {r['speedup_median']:7.2f}x "
-              f"{r['speedup_min']:5.2f}-{r['speedup_max']:<6.2f} {r['hit_tokens']:8d} {100 * r['hit_rate']:7.1f}% "
+        print(f"{r['config']:22} {r['ref_tok_s']:10.0f} {r['cand_tok_s']:10.0f} {r['speedup']:7.2f}x "
+              f"{r['ci95'][0]:5.2f}-{r['ci95'][1]:<6.2f} {r['hit_tokens']:8d} {100 * r['hit_rate']:7.1f}% "
               f"{r['tokens_computed']:8d} {r['evictions']:5d} {r['restores']:7d} {r['preemptions']:7d} "
               f"{'yes' if r['same_tokens'] else 'NO':>5}")
 

@@ -18,7 +18,7 @@ import torch
 from optimized_stack import toggles as toggle_registry
 from optimized_stack.config import KDA
 
-from k3verify.perf.bench import interleaved
+from k3verify.perf.ab import interleaved
 
 
 def sync() -> None:

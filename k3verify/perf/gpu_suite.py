@@ -24,25 +24,50 @@ import torch
 from optimized_stack import load_model
 from optimized_stack import toggles as toggle_registry
 
-from k3verify.perf import gpu_bench
-from k3verify.verdict.gate import ReferenceRuns
 from k3verify.io import atomic_write_json, atomic_write_text
+from k3verify.kinds import selftest
+from k3verify.kinds.base import CheckSpec, Context, Unit
+from k3verify.perf import gpu_bench
+from k3verify.perf.gpu_render import render
 from k3verify.report.environment import environment_fingerprint
-from k3verify.kinds.selftest import judge_one
+from k3verify.verdict.result import Result, Subject
 
-# judged on the embedded (trained) model on one GPU
-CUDA_TOGGLES = ("kda_fla_chunk", "kda_fla_recurrent", "moe_grouped", "shared_expert_side_stream",
-                "mla_absorbed", "mla_sdpa", "kda_chunked")
-# exact engine toggles: are they still bitwise when cuBLAS picks kernels by row count?
-ENGINE_TOGGLES = ("chunked_prefill", "continuous_batching", "prefix_cache")
-CUDA_MUTANTS = ("mut_fla_chunk_drops_state", "mut_fla_recurrent_state_transposed",
-                "mut_moe_grouped_slot0_weight", "mut_side_stream_tf32", "mut_mla_absorbed_scale",
-                "mut_kda_chunk_off_by_one")
 # scenario scale of the verdicts: half-size cases keep the run inside one device call
 SCALE = 0.5
-PREFILL_SET = ("kda_fla_chunk", "mla_sdpa", "moe_grouped", "shared_expert_side_stream")
-DECODE_SET = ("kda_fla_recurrent", "mla_absorbed", "moe_grouped", "shared_expert_side_stream")
-class Suite:
+PHASES = ("prefill", "decode")
+
+
+# ---- what is judged and timed: read from the toggle registry, never listed here -----------------
+
+def kernel_toggles() -> tuple[str, ...]:
+    """Optimizations that swap op slots and run on CUDA, judged on the embedded model on one GPU;
+    CUDA-only kernels first (most wanted first: the time budget may cut the tail)."""
+    kernels = [t for t in toggle_registry.all_toggles("optimization") if t.ops and "cuda" in t.devices]
+    return tuple(t.name for t in sorted(kernels, key=lambda t: t.devices != ("cuda",)))
+
+
+def kernel_mutants() -> tuple[str, ...]:
+    """The mutants of those kernels (each a plausible bug of that very change)."""
+    kernels = set(kernel_toggles())
+    return tuple(t.name for t in toggle_registry.all_toggles("mutant") if t.mutant_of in kernels)
+
+
+def engine_roots() -> tuple[str, ...]:
+    """Exact engine toggles that need no other toggle (each scheduling / caching mechanism once):
+    are they still bitwise when cuBLAS picks kernels by row count?"""
+    return tuple(t.name for t in toggle_registry.all_toggles("optimization")
+                 if t.engine and t.contract.kind == "exact" and not t.requires and "cuda" in t.devices)
+
+
+def phase_set(phase: str) -> tuple[str, ...]:
+    """The CUDA toggles that name `phase` in their `phases`: the candidate set the bench times."""
+    return tuple(t.name for t in toggle_registry.all_toggles("optimization")
+                 if phase in t.phases and "cuda" in t.devices)
+
+
+class GpuRun:
+    """The GPU run's document (sections of items, a log), saved after every item."""
+
     def __init__(self, out: Path, tag: str, budget_s: float):
         self.out, self.tag, self.t0, self.budget_s = out, tag, time.monotonic(), budget_s
         self.doc: dict[str, Any] = {"environment": environment_fingerprint(), "sections": {}, "log": []}
@@ -70,24 +95,31 @@ def _tp_names(world_size: int = 2) -> list[str]:
     return [t.name for t in tp if t.kind == "optimization"] + [t.name for t in tp if t.kind == "mutant"]
 
 
-def section_verdicts(s: Suite, model, names: tuple[str, ...] | None = None) -> dict[str, bool]:
-    refs = ReferenceRuns(model)
+def _judge(ctx: Context, name: str) -> dict[str, Any]:
+    """One toggle's selftest unit (the same judgement `k3verify selftest` makes), as an item."""
+    spec = CheckSpec(selftest.NAME, options={"scale": SCALE})
+    t = toggle_registry.get(name)
+    unit = Unit(selftest.NAME, spec.name, spec.options, name, selftest.scenario_for(t, SCALE))
+    try:
+        (res,) = selftest.run(unit, ctx)
+    except Exception as exc:          # a kernel that does not run is a verdict too
+        res = Result.errored(Subject.of(name), selftest.NAME, f"{type(exc).__name__}: {exc}"[:400])
+    return _slim(res.to_dict())
+
+
+def section_verdicts(s: GpuRun, model, names: tuple[str, ...] | None = None) -> dict[str, bool]:
     passed = {}
-    for name in names or (CUDA_TOGGLES + CUDA_MUTANTS + ENGINE_TOGGLES):   # most wanted first
-        if s.left() < 60:
-            s.add("verdicts", {"toggle": name, "status": "skip", "reason": "suite time budget spent"})
-            continue
-        out: list[dict] = []
-        t0 = time.perf_counter()
-        try:
-            judge_one(model, toggle_registry.get(name), refs, SCALE, "cuda", None, out)
-            item = out[0]
-        except Exception as exc:          # a kernel that does not run is a verdict too
-            item = {"toggle": name, "status": "error", "reason": f"{type(exc).__name__}: {exc}"[:400]}
-        item["wall_s"] = time.perf_counter() - t0
-        passed[name] = item["status"] == "pass"
-        s.log(f"verdict {name}: {item['status']} {item.get('reason', '')[:160]}")
-        s.add("verdicts", _slim(item))
+    with Context(model) as ctx:
+        for name in names or (kernel_toggles() + kernel_mutants() + engine_roots()):   # most wanted first
+            if s.left() < 60:
+                s.add("verdicts", {"toggle": name, "status": "skip", "reason": "suite time budget spent"})
+                continue
+            t0 = time.perf_counter()
+            item = _judge(ctx, name)
+            item["wall_s"] = time.perf_counter() - t0
+            passed[name] = item["status"] == "pass"
+            s.log(f"verdict {name}: {item['status']} {item.get('reason', '')[:160]}")
+            s.add("verdicts", item)
     return passed
 
 
@@ -96,7 +128,7 @@ def _slim(item: dict[str, Any]) -> dict[str, Any]:
     return {k: item.get(k) for k in keep if k in item}
 
 
-def section_split(s: Suite) -> None:
+def section_split(s: GpuRun) -> None:
     """fla chunk_kda: prefill split at a multiple of 64 (state carried) == whole prefill, bitwise."""
     from optimized_stack.kernels.kda.fla import fla_chunk
     for heads, dim in ((4, 16), (8, 128)):
@@ -127,7 +159,7 @@ def section_split(s: Suite) -> None:
             s.add("split", item)
 
 
-def section_invariance(s: Suite, model) -> None:
+def section_invariance(s: GpuRun, model) -> None:
     """Is a row's GEMM result independent of how many rows share the call? F.linear (cuBLAS,
     the reference on the GPU) against tiled_row_linear (fixed [8, D] tiles); then the exact
     engine toggles judged with the tiled form as the reference's linear."""
@@ -141,18 +173,12 @@ def section_invariance(s: Suite, model) -> None:
         item = {"gemm": label, "rows_equal_to_256_row_call": same, "status": "pass" if all(same.values()) else "fail"}
         s.log(f"invariance {label}: {same}")
         s.add("invariance", item)
-    refs = ReferenceRuns(model)
-    with ops.override(linear=ops.tiled_row_linear):
-        for name in ENGINE_TOGGLES:
+    with Context(model) as ctx, ops.override(linear=ops.tiled_row_linear):
+        for name in engine_roots():
             if s.left() < 45:
                 s.add("invariance", {"toggle": name, "status": "skip", "reason": "suite time budget spent"})
                 continue
-            out: list[dict] = []
-            try:
-                judge_one(model, toggle_registry.get(name), refs, SCALE, "cuda", None, out)
-                item = _slim(out[0])
-            except Exception as exc:
-                item = {"toggle": name, "status": "error", "reason": f"{type(exc).__name__}: {exc}"[:400]}
+            item = _judge(ctx, name)
             item["reference_linear"] = "tiled_row_linear"
             s.log(f"invariance {name} with tiled GEMMs: {item['status']} {str(item.get('reason'))[:120]}")
             s.add("invariance", item)
@@ -172,13 +198,13 @@ def _bench_plan(text: str) -> list[tuple[str, int, int, bool]]:
     return plan
 
 
-def section_bench(s: Suite, passed: dict[str, bool], bench_model: str, plan_text: str = DEFAULT_BENCH) -> None:
+def section_bench(s: GpuRun, passed: dict[str, bool], bench_model: str, plan_text: str = DEFAULT_BENCH) -> None:
     model = load_model(bench_model, device="cuda")
     bw = gpu_bench.hbm_copy_bandwidth()
     s.doc["hbm_copy_bytes_per_s"] = bw
     s.log(f"bench model {bench_model}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params; "
           f"HBM copy {bw / 1e12:.2f} TB/s")
-    for label, wanted in (("prefill", PREFILL_SET), ("decode", DECODE_SET)):
+    for label, wanted in ((phase, phase_set(phase)) for phase in PHASES):
         ok = tuple(t for t in wanted if passed.get(t))
         s.doc.setdefault("candidate_sets", {})[label] = {
             "toggles": list(ok), "left_out": {t: "contract not passed in this run" for t in wanted if t not in ok}}
@@ -208,24 +234,26 @@ def section_bench(s: Suite, passed: dict[str, bool], bench_model: str, plan_text
         torch.cuda.empty_cache()
 
 
-def section_tp(s: Suite, model_path: str | None, backend: str = "nccl", world_size: int = 2) -> None:
-    from k3verify.perf.bench import interleaved
+def section_tp(s: GpuRun, model_path: str | None, backend: str = "nccl", world_size: int = 2) -> None:
+    from k3verify.perf.ab import interleaved
+    from k3verify.run.runner import Runner
+    from k3verify.scenarios.chooser import choose
+    from k3verify.scenarios.workloads import build
     from k3verify.verdict.gate import check_toggle
-    from k3verify.kinds.selftest import _scenario_for
     if backend == "nccl" and torch.cuda.device_count() < world_size:
         s.add("tp", {"status": "skip", "reason": f"needs {world_size} GPUs, found {torch.cuda.device_count()}"})
         return
     model = load_model(model_path)          # CPU copy: each rank moves it to its own GPU
-    refs = ReferenceRuns(model, world_size=world_size, backend=backend)
+    runner = Runner(model, world_size=world_size, backend=backend)
     try:
         for name in _tp_names(world_size):
             if s.left() < 45:
                 s.add("tp", {"toggle": name, "status": "skip", "reason": "suite time budget spent"})
                 continue
             t = toggle_registry.get(name)
-            sc = _scenario_for(t, SCALE)
+            sc = build(choose(t, one=True, scale=SCALE).names[0], scale=SCALE)
             t0 = time.perf_counter()
-            results = check_toggle(model, name, sc, references=refs, localize_failures=False)
+            results = check_toggle(model, name, sc, runner=runner, localize_failures=False)
             failed = [r for r in results if r.status == "fail"]
             item = {"toggle": name, "kind": t.kind, "contract": t.contract.describe(), "scenario": sc.name,
                     "checks": {r.check: r.status for r in results},
@@ -234,75 +262,15 @@ def section_tp(s: Suite, model_path: str | None, backend: str = "nccl", world_si
                 item["status"] = "caught" if failed else "missed"
             else:
                 item["status"] = "pass" if not failed else "fail"
-                ab = interleaved(lambda: refs.run(sc, ()), lambda: refs.run(sc, (name,)), repeats=3,
-                                 tokens=1, labels=(f"tp{world_size} reference", name))
-                item["speed"] = {"ratio": ab.ratio, "ci95": [ab.ci_low, ab.ci_high],
-                                 "median_s_reference": sorted(ab.times_a)[1],
-                                 "median_s_candidate": sorted(ab.times_b)[1],
-                                 "counted": not failed}
+                ab = interleaved(lambda: runner.run(sc, ()), lambda: runner.run(sc, (name,)), repeats=3,
+                                 tokens=1, labels=(f"tp{world_size} reference", name)).to_dict()
+                item["speed"] = {"ratio": ab["ratio"], "ci95": ab["ci95"], "median_s_reference": ab["median_s_a"],
+                                 "median_s_candidate": ab["median_s_b"], "counted": not failed}
             item["wall_s"] = time.perf_counter() - t0
             s.log(f"tp {name}: {item['status']} {item.get('speed', '')}")
             s.add("tp", item)
     finally:
-        refs.close()
-
-
-def _heading(title: str, columns: tuple[str, ...]) -> list[str]:
-    """A Markdown section title and table header."""
-    return ["", f"## {title}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-
-
-def render(doc: dict[str, Any]) -> str:
-    env = doc.get("environment", {})
-    lines = ["# k3verify GPU run", "",
-             f"- device: {env.get('cuda_device')} x{env.get('cuda_device_count', 1)}; torch {env.get('torch')}; "
-             f"cuda {env.get('cuda')}; driver {doc.get('driver', '?')}; fla {doc.get('fla', '?')}"]
-    if "hbm_copy_bytes_per_s" in doc:
-        lines.append(f"- HBM copy (read+write): {doc['hbm_copy_bytes_per_s'] / 1e12:.2f} TB/s")
-    sec = doc.get("sections", {})
-    if sec.get("verdicts"):
-        lines += _heading("Verdicts (embedded k3-mini on the GPU; reference = the reference path on the GPU)",
-                          ("toggle", "kind", "contract", "scenario", "verdict", "why"))
-        for v in sec["verdicts"]:
-            lines.append(f"| {v.get('toggle')} | {v.get('kind', '')} | {v.get('contract', '')} | "
-                         f"{v.get('scenario', '')} | {v.get('status')} | {str(v.get('reason', ''))[:140]} |")
-    if sec.get("invariance"):
-        lines += _heading("Batch invariance on the GPU", ("what", "result", "verdict"))
-        for v in sec["invariance"]:
-            if "gemm" in v:
-                lines.append(f"| {v['gemm']}: rows of an M-row call == rows of the 256-row call | "
-                             f"{v['rows_equal_to_256_row_call']} | {v['status']} |")
-            else:
-                lines.append(f"| {v.get('toggle')} judged with tiled GEMMs | {str(v.get('reason', ''))[:140]} | {v.get('status')} |")
-    if sec.get("split"):
-        lines += _heading("fla chunk_kda split invariance (kernel level, state carried)",
-                          ("H x K", "split", "output bitwise", "state bitwise", "expected", "verdict"))
-        for v in sec["split"]:
-            lines.append(f"| {v['heads']}x{v['head_dim']} | {v['split']}{' (mutant: drops state)' if v['mutant_drops_state'] else ''} | "
-                         f"{v['output_bitwise']} | {v['state_bitwise']} | {'bitwise' if v['expected_bitwise'] else '-'} | {v['status']} |")
-    if sec.get("bench"):
-        lines += _heading("Speed (k3-small, fp32, interleaved A/B, warm-up excluded)",
-                          ("workload", "toggles", "ref tok/s", "cand tok/s", "speedup [95% CI]",
-                           "roofline ref / cand", "counted"))
-        for r in sec["bench"]:
-            if "tokens_per_s_candidate" not in r:
-                lines.append(f"| {r['workload']} | - | - | - | - | - | {r.get('status')}: {r.get('reason')} |")
-                continue
-            roof = (f"{r['roofline_fraction_reference']:.2%} / {r['roofline_fraction_candidate']:.2%}"
-                    if "roofline_fraction_candidate" in r else "-")
-            ref_tps = f"{r['tokens_per_s_reference']:.0f}" if r.get("tokens_per_s_reference") else "-"
-            lines.append(f"| {r['workload']} | {'+'.join(r['toggles'])} | {ref_tps} | {r['tokens_per_s_candidate']:.0f} | "
-                         f"{gpu_bench.fmt_ratio(r)} | {roof} | {'yes' if r['counted'] else 'no: ' + r['why']} |")
-    if sec.get("tp"):
-        lines += _heading(f"Tensor parallel, W={doc.get('world_size', 2)} over NCCL (reference: the same W "
-                          "without the toggle)", ("toggle", "contract", "scenario", "verdict", "speed ratio [95% CI]"))
-        for v in sec["tp"]:
-            sp = v.get("speed")
-            sp_text = f"{sp['ratio']:.2f}x [{sp['ci95'][0]:.2f}, {sp['ci95'][1]:.2f}]" if sp else "-"
-            lines.append(f"| {v.get('toggle')} | {v.get('contract', '')} | {v.get('scenario', '')} | "
-                         f"{v.get('status')} | {sp_text} |")
-    lines += ["", "## Log", "", "```", *doc.get("log", []), "```", ""]
-    return "\n".join(lines)
+        runner.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -331,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: the GPU suite needs CUDA; torch.cuda.is_available() is False", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    s = Suite(args.out, "_".join(sections), args.budget_s)
+    s = GpuRun(args.out, "_".join(sections), args.budget_s)
     s.doc["driver"] = _driver()
     try:
         import fla
