@@ -187,7 +187,7 @@ def test_cli_diff_at_world_size_2_judges_toggle_and_mutant(tmp_path):
 def test_cli_diff_rejects_bad_world_size(capsys):
     from k3verify.cli import main
     assert main(["diff", "--toggle", "tp_dedup_router", "--world-size", "0"]) == 2
-    assert "--world-size: expected an integer >= 1, got 0" in capsys.readouterr().err
+    assert "--world-size must be an integer >= 1, got 0" in capsys.readouterr().err
 
 
 # ---- larger world sizes: slow, measured once ------------------------------------------
