@@ -11,7 +11,8 @@ pytest.importorskip("fastapi")
 from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.responses import JSONResponse, StreamingResponse  # noqa: E402
 
-from k3verify.quality.evals.kvv import run_kvv, schema_errors  # noqa: E402
+from k3verify.quality.evals.json_schema import schema_errors  # noqa: E402
+from k3verify.quality.evals.kvv import run_kvv  # noqa: E402
 from k3verify.quality.evals.kvv_ranges import import_kvv_results  # noqa: E402
 from k3verify.serving.lifecycle import ServerThread, build_embedded_app  # noqa: E402
 from optimized_stack.errors import K3Error  # noqa: E402

@@ -15,7 +15,7 @@ import httpx  # noqa: E402
 from k3verify.serving.backends.base import (ProgramConstraint, SamplingParams, json_object_program,  # noqa: E402
                                     tool_call_program)
 from k3verify.serving.backends.embedded import EmbeddedBackend, decode, pick_token  # noqa: E402
-from k3verify.quality.evals.kvv import schema_errors  # noqa: E402
+from k3verify.quality.evals.json_schema import schema_errors  # noqa: E402
 from k3verify.serving.app import create_app  # noqa: E402
 from k3verify.serving.lifecycle import ServerThread  # noqa: E402
 from optimized_stack import load_model  # noqa: E402

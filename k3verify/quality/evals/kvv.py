@@ -16,11 +16,15 @@ stream equality where the endpoint refuses greedy decoding.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Callable
 
 import httpx
 
+from k3verify.quality.evals.json_schema import schema_errors
+from k3verify.quality.evals.kvv_client import (USER, Client, KvvOutcome, call_check, calls_of, error_line,
+                                               expect_200, expect_400, message_of, read_json, reassemble,
+                                               set_fields)
 from optimized_stack.errors import K3Error
 
 STATUSES = ("pass", "fail", "skip")
@@ -45,178 +49,11 @@ CALC_TOOL = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
 ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}, "confidence": {"type": "number"}},
                  "required": ["answer", "confidence"], "additionalProperties": False}
-USER = [{"role": "user", "content": "Say 'OK' and nothing else."}]
 
 
-@dataclass(frozen=True)
-class CheckResult:
-    name: str
-    status: str
-    reason: str
-
-    def __post_init__(self) -> None:
-        if self.status not in STATUSES:
-            raise ValueError(f"status must be one of {STATUSES}, got {self.status!r}")
-
-
-def schema_errors(value, schema: dict, path: str = "$") -> list[str]:
-    """Where value breaks a JSON Schema (the subset tools and response formats use); [] = valid."""
-    if not isinstance(schema, dict):
-        return []
-    for key in ("anyOf", "oneOf"):
-        if key in schema and all(schema_errors(value, s, path) for s in schema[key]):
-            return [f"{path}: matches none of {key}"]
-    errs = [e for s in schema.get("allOf", []) for e in schema_errors(value, s, path)]
-    if "const" in schema and value != schema["const"]:
-        errs.append(f"{path}: expected {schema['const']!r}, got {value!r}")
-    if "enum" in schema and value not in schema["enum"]:
-        errs.append(f"{path}: {value!r} not in enum {schema['enum']!r}")
-    kinds = schema.get("type")
-    kinds = [kinds] if isinstance(kinds, str) else kinds or []
-    checks = {"object": lambda v: isinstance(v, dict), "array": lambda v: isinstance(v, list),
-              "string": lambda v: isinstance(v, str), "boolean": lambda v: isinstance(v, bool),
-              "null": lambda v: v is None,
-              "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
-              "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)}
-    if kinds and not any(checks.get(k, lambda v: False)(value) for k in kinds):
-        return errs + [f"{path}: expected type {'/'.join(kinds)}, got {type(value).__name__}"]
-    if isinstance(value, dict):
-        props = schema.get("properties", {})
-        errs += [f"{path}: missing required {k!r}" for k in schema.get("required", []) if k not in value]
-        for k, v in value.items():
-            if k in props:
-                errs += schema_errors(v, props[k], f"{path}.{k}")
-            elif schema.get("additionalProperties") is False:
-                errs.append(f"{path}: unexpected property {k!r}")
-    if isinstance(value, list):
-        if len(value) < schema.get("minItems", 0) or len(value) > schema.get("maxItems", len(value)):
-            errs.append(f"{path}: {len(value)} items outside [minItems, maxItems]")
-        errs += [e for i, v in enumerate(value) for e in schema_errors(v, schema.get("items", {}), f"{path}[{i}]")]
-    if isinstance(value, str) and not schema.get("minLength", 0) <= len(value) <= schema.get("maxLength", len(value)):
-        errs.append(f"{path}: string length {len(value)} outside [minLength, maxLength]")
-    return errs
-
-
-class _Client:
-    """Thin JSON/SSE client; every call returns (status, body or chunks), never raises for HTTP errors."""
-
-    def __init__(self, base_url: str, model: str, api_key: str | None, timeout: float, extra: dict):
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.base_url = base_url.rstrip("/")
-        self.http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
-        self.model, self.extra = model, extra
-
-    def chat(self, max_tokens: int, **fields) -> tuple[int, dict]:
-        body = {"model": self.model, "messages": USER, "max_tokens": max_tokens, **self.extra, **fields}
-        r = self.http.post("/chat/completions", json=body)
-        return r.status_code, _json(r)
-
-    def chat_stream(self, max_tokens: int, **fields) -> tuple[int, list[dict] | dict, bool]:
-        """-> (status, parsed chunks or the error body, whether [DONE] terminated the stream)."""
-        body = {"model": self.model, "messages": USER, "max_tokens": max_tokens, "stream": True,
-                **self.extra, **fields}
-        chunks, done = [], False
-        with self.http.stream("POST", "/chat/completions", json=body) as r:
-            if r.status_code != 200:
-                r.read()
-                return r.status_code, _json(r), False
-            for line in r.iter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
-                    break
-                chunks.append(json.loads(data))
-        return 200, chunks, done
-
-    def post(self, url: str, body: dict) -> tuple[int, dict]:
-        r = self.http.post(url, json=body)
-        return r.status_code, _json(r)
-
-
-def _json(r: httpx.Response) -> dict:
-    try:
-        body = r.json()
-    except ValueError:
-        return {"raw": r.text[:200]}
-    return body if isinstance(body, dict) else {"raw": body}
-
-
-def _err(body: dict) -> str:
-    err = body.get("error") if isinstance(body, dict) else None
-    msg = err.get("message") if isinstance(err, dict) else None
-    return (msg or json.dumps(body)[:160]).splitlines()[0][:200]
-
-
-def _expect_400(name: str, status: int, body: dict, what: str) -> CheckResult:
-    if status == 400:
-        return CheckResult(name, "pass", f"{what} rejected with 400: {_err(body)}")
-    if 200 <= status < 300:
-        return CheckResult(name, "fail", f"{what} should be rejected with 400, but it was accepted")
-    return CheckResult(name, "fail", f"{what} should be rejected with 400, got HTTP {status}: {_err(body)}")
-
-
-def _expect_200(name: str, status: int, body: dict, what: str) -> CheckResult:
-    if status == 200:
-        return CheckResult(name, "pass", f"{what} accepted")
-    return CheckResult(name, "fail", f"{what} should be accepted, got HTTP {status}: {_err(body)}")
-
-
-def _message(body: dict) -> dict:
-    return ((body.get("choices") or [{}])[0]).get("message") or {}
-
-
-def _reassemble(chunks: list[dict]) -> tuple[str, list[dict], str | None, dict | None]:
-    """Streamed chunks -> (content, tool calls with arguments concatenated, finish_reason, usage)."""
-    content, calls, finish, usage = "", {}, None, None
-    for ch in chunks:
-        usage = ch.get("usage") or usage
-        for c in ch.get("choices") or []:
-            delta = c.get("delta") or {}
-            content += delta.get("content") or ""
-            for tc in delta.get("tool_calls") or []:
-                slot = calls.setdefault(tc.get("index", 0), {"id": None, "name": "", "arguments": ""})
-                slot["id"] = tc.get("id") or slot["id"]
-                fn = tc.get("function") or {}
-                slot["name"] += fn.get("name") or ""
-                slot["arguments"] += fn.get("arguments") or ""
-            finish = c.get("finish_reason") or finish
-    return content, [calls[i] for i in sorted(calls)], finish, usage
-
-
-def _set_fields(obj: dict | None) -> dict:
-    return {k: v for k, v in (obj or {}).items() if v is not None}
-
-
-def _call_check(name: str, calls: list[dict], tools: list[dict], must_call: str | None) -> CheckResult:
-    """At least one call, every call names a declared tool, arguments are JSON valid against its schema."""
-    if not calls:
-        return CheckResult(name, "fail", "expected a tool call, the response has none")
-    schemas = {t["function"]["name"]: t["function"].get("parameters", {}) for t in tools}
-    for call in calls:
-        if call["name"] not in schemas:
-            return CheckResult(name, "fail", f"call to undeclared function {call['name']!r}")
-        if must_call and call["name"] != must_call:
-            return CheckResult(name, "fail", f"tool_choice named {must_call!r}, the call is to {call['name']!r}")
-        try:
-            args = json.loads(call["arguments"])
-        except (TypeError, ValueError):
-            return CheckResult(name, "fail", f"arguments are not JSON: {str(call['arguments'])[:80]!r}")
-        errors = schema_errors(args, schemas[call["name"]])
-        if errors:
-            return CheckResult(name, "fail", f"arguments break the schema: {errors[0]}")
-    return CheckResult(name, "pass", f"{len(calls)} call(s) to {calls[0]['name']!r} with schema-valid arguments")
-
-
-def _calls_of(message: dict) -> list[dict]:
-    return [{"id": c.get("id"), "name": (c.get("function") or {}).get("name"),
-             "arguments": (c.get("function") or {}).get("arguments")} for c in message.get("tool_calls") or []]
-
-
-def _plan(c: _Client, thinking: bool, small: int, big: int) -> list[tuple[str, Callable[[], CheckResult]]]:
+def _plan(c: Client, thinking: bool, small: int, big: int) -> list[tuple[str, Callable[[], KvvOutcome]]]:
     """Every check as (name, thunk), in run order; thunks make their own requests."""
-    plan: list[tuple[str, Callable[[], CheckResult]]] = []
+    plan: list[tuple[str, Callable[[], KvvOutcome]]] = []
 
     def add(name):
         def register(fn):
@@ -227,23 +64,23 @@ def _plan(c: _Client, thinking: bool, small: int, big: int) -> list[tuple[str, C
     @add("models.lists_model")
     def _(name):
         r = c.http.get("/models")
-        ids = [m.get("id") for m in (_json(r).get("data") or [])] if r.status_code == 200 else []
+        ids = [m.get("id") for m in (read_json(r).get("data") or [])] if r.status_code == 200 else []
         if c.model in ids:
-            return CheckResult(name, "pass", f"/models lists {c.model!r}")
-        return CheckResult(name, "fail", f"/models (HTTP {r.status_code}) does not list {c.model!r}: {ids[:5]}")
+            return KvvOutcome(name, "pass", f"/models lists {c.model!r}")
+        return KvvOutcome(name, "fail", f"/models (HTTP {r.status_code}) does not list {c.model!r}: {ids[:5]}")
 
     # -- tests/params: defaults accepted, wrong values refused -------------------------------
     @add("params.no_optional_params")
     def _(name):
-        return _expect_200(name, *c.chat(small), "a request without optional parameters")
+        return expect_200(name, *c.chat(small), "a request without optional parameters")
 
     for param, think_default, plain_default, wrong in IMMUTABLE_PARAMS:
         default = think_default if thinking else plain_default
         plan.append((f"params.accept.{param}={default}", lambda p=param, d=default, n=f"params.accept.{param}={default}":
-                     _expect_200(n, *c.chat(small, **{p: d}), f"{p}={d}")))
+                     expect_200(n, *c.chat(small, **{p: d}), f"{p}={d}")))
     for param, wrong in [(p, w) for p, _, _, w in IMMUTABLE_PARAMS] + list(OUT_OF_RANGE):
         plan.append((f"params.reject.{param}={wrong}", lambda p=param, w=wrong, n=f"params.reject.{param}={wrong}":
-                     _expect_400(n, *c.chat(small, **{p: w}), f"{p}={w}")))
+                     expect_400(n, *c.chat(small, **{p: w}), f"{p}={w}")))
 
     # -- k3_features: response_format -----------------------------------------------------------
     bad_formats = {
@@ -253,26 +90,26 @@ def _plan(c: _Client, thinking: bool, small: int, big: int) -> list[tuple[str, C
     }
     for label, fmt in bad_formats.items():
         plan.append((f"response_format.reject.{label}", lambda f=fmt, n=f"response_format.reject.{label}":
-                     _expect_400(n, *c.chat(small, response_format=f), f"response_format={json.dumps(f)}")))
+                     expect_400(n, *c.chat(small, response_format=f), f"response_format={json.dumps(f)}")))
 
     @add("response_format.text")
     def _(name):
-        return _expect_200(name, *c.chat(small, response_format={"type": "text"}), "response_format text")
+        return expect_200(name, *c.chat(small, response_format={"type": "text"}), "response_format text")
 
     @add("response_format.json_object")
     def _(name):
         status, body = c.chat(big, response_format={"type": "json_object"},
                               messages=[{"role": "user", "content": "Reply with a JSON object describing a cat."}])
         if status != 200:
-            return _expect_200(name, status, body, "response_format json_object")
-        content = _message(body).get("content") or ""
+            return expect_200(name, status, body, "response_format json_object")
+        content = message_of(body).get("content") or ""
         try:
             doc = json.loads(content)
         except ValueError:
-            return CheckResult(name, "fail", f"content is not a JSON document: {content[:80]!r}")
+            return KvvOutcome(name, "fail", f"content is not a JSON document: {content[:80]!r}")
         if not isinstance(doc, dict):
-            return CheckResult(name, "fail", f"json_object must give an object, got {type(doc).__name__}")
-        return CheckResult(name, "pass", f"content is a JSON object with {len(doc)} key(s)")
+            return KvvOutcome(name, "fail", f"json_object must give an object, got {type(doc).__name__}")
+        return KvvOutcome(name, "pass", f"content is a JSON object with {len(doc)} key(s)")
 
     @add("response_format.json_schema")
     def _(name):
@@ -280,30 +117,30 @@ def _plan(c: _Client, thinking: bool, small: int, big: int) -> list[tuple[str, C
         status, body = c.chat(big, response_format=fmt,
                               messages=[{"role": "user", "content": "Is the sky blue? Answer with confidence."}])
         if status != 200:
-            return _expect_200(name, status, body, "response_format json_schema")
-        content = _message(body).get("content") or ""
+            return expect_200(name, status, body, "response_format json_schema")
+        content = message_of(body).get("content") or ""
         try:
             doc = json.loads(content)
         except ValueError:
-            return CheckResult(name, "fail", f"content is not a JSON document: {content[:80]!r}")
+            return KvvOutcome(name, "fail", f"content is not a JSON document: {content[:80]!r}")
         errors = schema_errors(doc, ANSWER_SCHEMA)
         if errors:
-            return CheckResult(name, "fail", f"content breaks the schema: {errors[0]}")
-        return CheckResult(name, "pass", "content is valid against the requested schema")
+            return KvvOutcome(name, "fail", f"content breaks the schema: {errors[0]}")
+        return KvvOutcome(name, "pass", "content is valid against the requested schema")
 
     # -- k3_features: tool_choice ---------------------------------------------------------------
     weather_q = [{"role": "user", "content": "What is the weather in Paris?"}]
-    plan.append(("tool_choice.reject.required_without_tools", lambda: _expect_400(
+    plan.append(("tool_choice.reject.required_without_tools", lambda: expect_400(
         "tool_choice.reject.required_without_tools", *c.chat(small, tool_choice="required"),
         "tool_choice=required with no tools")))
-    plan.append(("tool_choice.reject.unknown_function", lambda: _expect_400(
+    plan.append(("tool_choice.reject.unknown_function", lambda: expect_400(
         "tool_choice.reject.unknown_function",
         *c.chat(small, tools=[WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "no_such_fn"}}),
         "tool_choice naming an undeclared function")))
-    plan.append(("tool_choice.reject.bad_value", lambda: _expect_400(
+    plan.append(("tool_choice.reject.bad_value", lambda: expect_400(
         "tool_choice.reject.bad_value", *c.chat(small, tools=[WEATHER_TOOL], tool_choice="sometimes"),
         "tool_choice='sometimes'")))
-    plan.append(("tools.reject.malformed", lambda: _expect_400(
+    plan.append(("tools.reject.malformed", lambda: expect_400(
         "tools.reject.malformed", *c.chat(small, tools=[{"type": "function", "function": {"description": "x"}}]),
         "a tool without a function name")))
 
@@ -311,36 +148,36 @@ def _plan(c: _Client, thinking: bool, small: int, big: int) -> list[tuple[str, C
     def _(name):
         status, body = c.chat(small, tools=[WEATHER_TOOL], tool_choice="none", messages=weather_q)
         if status != 200:
-            return _expect_200(name, status, body, "tool_choice none")
-        calls = _message(body).get("tool_calls")
+            return expect_200(name, status, body, "tool_choice none")
+        calls = message_of(body).get("tool_calls")
         if calls:
-            return CheckResult(name, "fail", f"tool_choice none, but the response has {len(calls)} tool call(s)")
-        return CheckResult(name, "pass", "accepted, no tool calls")
+            return KvvOutcome(name, "fail", f"tool_choice none, but the response has {len(calls)} tool call(s)")
+        return KvvOutcome(name, "pass", "accepted, no tool calls")
 
     @add("tool_choice.required")
     def _(name):
         status, body = c.chat(big, tools=[WEATHER_TOOL, CALC_TOOL], tool_choice="required", messages=weather_q)
         if status != 200:
-            return _expect_200(name, status, body, "tool_choice required")
-        return _call_check(name, _calls_of(_message(body)), [WEATHER_TOOL, CALC_TOOL], None)
+            return expect_200(name, status, body, "tool_choice required")
+        return call_check(name, calls_of(message_of(body)), [WEATHER_TOOL, CALC_TOOL], None)
 
     @add("tool_choice.required.stream")
     def _(name):
         status, chunks, done = c.chat_stream(big, tools=[WEATHER_TOOL, CALC_TOOL], tool_choice="required",
                                              messages=weather_q)
         if status != 200:
-            return _expect_200(name, status, chunks, "streamed tool_choice required")
+            return expect_200(name, status, chunks, "streamed tool_choice required")
         if not done:
-            return CheckResult(name, "fail", "the stream did not end with data: [DONE]")
-        return _call_check(name, _reassemble(chunks)[1], [WEATHER_TOOL, CALC_TOOL], None)
+            return KvvOutcome(name, "fail", "the stream did not end with data: [DONE]")
+        return call_check(name, reassemble(chunks)[1], [WEATHER_TOOL, CALC_TOOL], None)
 
     @add("tool_choice.named")
     def _(name):
         status, body = c.chat(big, tools=[WEATHER_TOOL, CALC_TOOL], messages=weather_q,
                               tool_choice={"type": "function", "function": {"name": "Calculator"}})
         if status != 200:
-            return _expect_200(name, status, body, "tool_choice naming Calculator")
-        return _call_check(name, _calls_of(_message(body)), [WEATHER_TOOL, CALC_TOOL], "Calculator")
+            return expect_200(name, status, body, "tool_choice naming Calculator")
+        return call_check(name, calls_of(message_of(body)), [WEATHER_TOOL, CALC_TOOL], "Calculator")
 
     # -- k3_features: dynamic tools on system messages ------------------------------------------
     calc_q = {"role": "user", "content": "Use Calculator to compute 23 * 47."}
@@ -353,15 +190,15 @@ def _plan(c: _Client, thinking: bool, small: int, big: int) -> list[tuple[str, C
     }
     for label, msgs in bad_dynamic.items():
         plan.append((f"dynamic_tools.reject.{label}", lambda m=msgs, n=f"dynamic_tools.reject.{label}", lb=label:
-                     _expect_400(n, *c.chat(small, messages=m), f"dynamic tool declaration ({lb})")))
+                     expect_400(n, *c.chat(small, messages=m), f"dynamic tool declaration ({lb})")))
 
     @add("dynamic_tools.declared_on_system_message")
     def _(name):
         msgs = [calc_q, {"role": "system", "tools": [CALC_TOOL]}]
         status, body = c.chat(big, messages=msgs, tool_choice="required")
         if status != 200:
-            return _expect_200(name, status, body, "a well-formed dynamic declaration with tool_choice required")
-        return _call_check(name, _calls_of(_message(body)), [CALC_TOOL], "Calculator")
+            return expect_200(name, status, body, "a well-formed dynamic declaration with tool_choice required")
+        return call_check(name, calls_of(message_of(body)), [CALC_TOOL], "Calculator")
 
     # -- tests/prompt_tokens ----------------------------------------------------------------------
     root = c.base_url[:-3] if c.base_url.endswith("/v1") else c.base_url
@@ -379,15 +216,15 @@ def _plan(c: _Client, thinking: bool, small: int, big: int) -> list[tuple[str, C
         for _ in range(2):
             status, body = c.chat(1)
             if status != 200:
-                return _expect_200(name, status, body, "a plain request")
+                return expect_200(name, status, body, "a plain request")
             counts.append((body.get("usage") or {}).get("prompt_tokens"))
         status, chunks, _ = c.chat_stream(1, stream_options={"include_usage": True})
-        counts.append((_reassemble(chunks)[3] or {}).get("prompt_tokens") if status == 200 else None)
+        counts.append((reassemble(chunks)[3] or {}).get("prompt_tokens") if status == 200 else None)
         if None in counts or len(set(counts)) != 1:
-            return CheckResult(name, "fail", f"prompt_tokens differ for the same prompt (plain, plain, streamed): {counts}")
-        return CheckResult(name, "pass", f"prompt_tokens {counts[0]} for the same prompt, streamed and not")
+            return KvvOutcome(name, "fail", f"prompt_tokens differ for the same prompt (plain, plain, streamed): {counts}")
+        return KvvOutcome(name, "pass", f"prompt_tokens {counts[0]} for the same prompt, streamed and not")
 
-    plan.append(("prompt_tokens.expected_constants", lambda: CheckResult(
+    plan.append(("prompt_tokens.expected_constants", lambda: KvvOutcome(
         "prompt_tokens.expected_constants", "skip",
         "needs a real K3 endpoint: KVV's expected counts (testdata/prompt_token_cases) are K3-tokenizer counts")))
 
@@ -397,67 +234,67 @@ def _plan(c: _Client, thinking: bool, small: int, big: int) -> list[tuple[str, C
         fields = {"temperature": 0, "seed": 1234}
         status, body = c.chat(small, **fields)
         if status == 400:
-            return CheckResult(name, "skip", "needs an endpoint that allows temperature 0 (this one refused it: "
-                               f"{_err(body)}); equal text needs greedy decoding")
+            return KvvOutcome(name, "skip", "needs an endpoint that allows temperature 0 (this one refused it: "
+                               f"{error_line(body)}); equal text needs greedy decoding")
         if status != 200:
-            return _expect_200(name, status, body, "temperature 0")
+            return expect_200(name, status, body, "temperature 0")
         status, chunks, done = c.chat_stream(small, stream_options={"include_usage": True}, **fields)
         if status != 200:
-            return _expect_200(name, status, chunks, "streamed temperature 0")
-        text, _, finish, usage = _reassemble(chunks)
-        whole = _message(body).get("content") or ""
+            return expect_200(name, status, chunks, "streamed temperature 0")
+        text, _, finish, usage = reassemble(chunks)
+        whole = message_of(body).get("content") or ""
         if not done:
-            return CheckResult(name, "fail", "the stream did not end with data: [DONE]")
+            return KvvOutcome(name, "fail", "the stream did not end with data: [DONE]")
         if text != whole:
             at = next((i for i, (a, b) in enumerate(zip(text, whole)) if a != b), min(len(text), len(whole)))
-            return CheckResult(name, "fail", f"streamed text differs from the whole answer at character {at}: "
+            return KvvOutcome(name, "fail", f"streamed text differs from the whole answer at character {at}: "
                                f"{text[at:at + 20]!r} vs {whole[at:at + 20]!r}")
         want_finish = (body.get("choices") or [{}])[0].get("finish_reason")
         if finish != want_finish:
-            return CheckResult(name, "fail", f"finish_reason streamed {finish!r}, whole {want_finish!r}")
+            return KvvOutcome(name, "fail", f"finish_reason streamed {finish!r}, whole {want_finish!r}")
         # A key sent as null says no more than a key left out (vLLM's whole answer carries
         # "prompt_tokens_details": null, its usage chunk omits it), so compare what is set.
-        if _set_fields(usage) != _set_fields(body.get("usage")):
-            return CheckResult(name, "fail", f"final usage chunk {usage} differs from the whole answer's {body.get('usage')}")
-        return CheckResult(name, "pass", f"{len(chunks)} chunks reassemble to the same {len(text)} characters, "
+        if set_fields(usage) != set_fields(body.get("usage")):
+            return KvvOutcome(name, "fail", f"final usage chunk {usage} differs from the whole answer's {body.get('usage')}")
+        return KvvOutcome(name, "pass", f"{len(chunks)} chunks reassemble to the same {len(text)} characters, "
                            "finish_reason and usage")
 
     @add("stream.usage_chunk")
     def _(name):
         status, chunks, done = c.chat_stream(small, stream_options={"include_usage": True})
         if status != 200:
-            return _expect_200(name, status, chunks, "stream_options include_usage")
+            return expect_200(name, status, chunks, "stream_options include_usage")
         last = chunks[-1] if chunks else {}
         usage = last.get("usage") or {}
         if not done or last.get("choices") or not {"prompt_tokens", "completion_tokens", "total_tokens"} <= set(usage):
-            return CheckResult(name, "fail", "the last chunk before [DONE] must carry usage and empty choices, "
+            return KvvOutcome(name, "fail", "the last chunk before [DONE] must carry usage and empty choices, "
                                f"got {json.dumps(last)[:160]}")
         if usage["total_tokens"] != usage["prompt_tokens"] + usage["completion_tokens"]:
-            return CheckResult(name, "fail", f"total_tokens != prompt + completion in {usage}")
-        return CheckResult(name, "pass", f"final usage chunk {usage}")
+            return KvvOutcome(name, "fail", f"total_tokens != prompt + completion in {usage}")
+        return KvvOutcome(name, "pass", f"final usage chunk {usage}")
 
     @add("server.alive_after_bad_requests")
     def _(name):
-        return _expect_200(name, *c.chat(small), "a good request after all the bad ones")
+        return expect_200(name, *c.chat(small), "a good request after all the bad ones")
 
     return plan
 
 
-def _tokens_vs_tokenize(name: str, c: _Client, root: str, fields: dict, small: int) -> CheckResult:
+def _tokens_vs_tokenize(name: str, c: Client, root: str, fields: dict, small: int) -> KvvOutcome:
     try:
         r = c.http.post(f"{root}/tokenize", json={"model": c.model, **fields})
     except httpx.HTTPError as e:
-        return CheckResult(name, "skip", f"needs a /tokenize endpoint to compare with ({type(e).__name__})")
+        return KvvOutcome(name, "skip", f"needs a /tokenize endpoint to compare with ({type(e).__name__})")
     if r.status_code in (404, 405):
-        return CheckResult(name, "skip", "needs a /tokenize endpoint to compare with; this endpoint has none")
-    count = _json(r).get("count")
+        return KvvOutcome(name, "skip", "needs a /tokenize endpoint to compare with; this endpoint has none")
+    count = read_json(r).get("count")
     status, body = c.chat(1, **fields)
     if status != 200:
-        return _expect_200(name, status, body, "the request")
+        return expect_200(name, status, body, "the request")
     got = (body.get("usage") or {}).get("prompt_tokens")
     if got != count:
-        return CheckResult(name, "fail", f"usage.prompt_tokens {got} != /tokenize count {count}")
-    return CheckResult(name, "pass", f"usage.prompt_tokens {got} == /tokenize count")
+        return KvvOutcome(name, "fail", f"usage.prompt_tokens {got} != /tokenize count {count}")
+    return KvvOutcome(name, "pass", f"usage.prompt_tokens {got} == /tokenize count")
 
 
 def run_kvv(base_url: str, model_name: str, api_key: str | None = None, *, thinking: bool = False,
@@ -475,7 +312,7 @@ def run_kvv(base_url: str, model_name: str, api_key: str | None = None, *, think
     extra = {} if think_mode == "none" else (
         {"chat_template_kwargs": {"thinking": thinking}} if think_mode == "opensource"
         else {"thinking": {"type": "enabled" if thinking else "disabled"}})
-    c = _Client(base_url, model_name, api_key, timeout_s, extra)
+    c = Client(base_url, model_name, api_key, timeout_s, extra)
     try:
         c.http.get("/models")
     except httpx.HTTPError as e:
@@ -491,7 +328,7 @@ def run_kvv(base_url: str, model_name: str, api_key: str | None = None, *, think
         try:
             results.append(thunk())
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
-            results.append(CheckResult(name, "fail", f"request failed: {type(e).__name__}: {str(e)[:160]}"))
+            results.append(KvvOutcome(name, "fail", f"request failed: {type(e).__name__}: {str(e)[:160]}"))
     c.http.close()
     summary = {s: sum(r.status == s for r in results) for s in STATUSES}
     return {"endpoint": base_url, "model": model_name, "checks": [asdict(r) for r in results],
