@@ -11,11 +11,10 @@ import re
 import pytest
 from rich.console import Console
 
-from k3verify import cli
+from k3verify import cli, kinds
 from k3verify.commands import all as all_cmd
-from k3verify import kinds
-from k3verify.kinds.base import CheckSpec, Unit
 from k3verify.commands._progress import Estimate, Item, RunProgress
+from k3verify.kinds.base import CheckSpec, Unit
 
 PROGRESS = re.compile(r"\d+/\d+ +elapsed \d+:\d\d:\d\d +(ETA \d+:\d\d:\d\d|done)")
 

@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-from k3verify.scenarios import workloads
 from k3verify.capture.capture import Capture
 from k3verify.cli import main
 from k3verify.run.runner import Runner
-from k3verify.verdict.gate import check_toggle
 from k3verify.run.sequential import run_scenario
+from k3verify.scenarios import workloads
+from k3verify.verdict.gate import check_toggle
 from optimized_stack import K3Error, load_model
 from optimized_stack import toggles as registry
 from optimized_stack.model import ops

@@ -7,9 +7,7 @@ import json
 
 import pytest
 
-from k3verify.perf import bench
-from k3verify.perf import gpu_bench
-from k3verify.perf import gpu_suite
+from k3verify.perf import bench, gpu_bench, gpu_suite
 from k3verify.scenarios import workloads
 from optimized_stack import load_model
 

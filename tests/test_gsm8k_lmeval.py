@@ -17,6 +17,7 @@ from k3verify.quality.evals import gsm8k_synth  # noqa: E402
 from k3verify.quality.evals.gsm8k import greedy_generate_fn, lookup_generate_fn, run_gsm8k  # noqa: E402
 from k3verify.quality.evals.lm_eval_model import GenerateFnLM  # noqa: E402
 from optimized_stack.errors import K3Error  # noqa: E402
+
 from shared_data import SHARED  # noqa: E402
 
 DATA = SHARED / "data" / "gsm8k"

@@ -7,6 +7,7 @@ import pytest
 
 from k3verify.quality.evals import gsm8k_synth
 from optimized_stack.errors import K3Error
+
 from shared_data import SHARED  # noqa: E402
 
 STEP_RE = re.compile(r"(\d+) ([-+*/]) (\d+) = \$?(\d+)")

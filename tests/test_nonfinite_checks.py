@@ -15,14 +15,15 @@ import json
 import pytest
 
 import optimized_stack
-from k3verify.scenarios import workloads
 from k3verify.cli import main
 from k3verify.compare.captures import EXACT_CHECKS
 from k3verify.run.runner import Runner
+from k3verify.scenarios import workloads
 from k3verify.verdict.gate import check_toggle, drift_verdict
+from optimized_stack import toggles as registry
+
 from model_fixtures import model  # noqa: F401  (the module-scoped k3-mini fixture)
 from nonfinite_fixtures import VALUES, candidate_poison, poisoned, poisoned_weight
-from optimized_stack import toggles as registry
 
 KINDS = list(VALUES)
 SIDES = ("reference", "candidate")

@@ -10,17 +10,18 @@ import math
 import pytest
 import torch
 
-from k3verify.compare import golden as gh
-from k3verify.scenarios import workloads
 from k3verify import kinds
+from k3verify.capture.capture import Capture
+from k3verify.compare import golden as gh
 from k3verify.compare.logprobs import compare_logprobs
 from k3verify.kinds.base import CheckSpec, Context
-from k3verify.serving.backends import vllm_backend as vb
-from k3verify.perf.bench import bench_toggle
-from k3verify.capture.capture import Capture
-from k3verify.run.runner import Runner
-from k3verify.verdict.gate import check_toggle
 from k3verify.localize import localize_request
+from k3verify.perf.bench import bench_toggle
+from k3verify.run.runner import Runner
+from k3verify.scenarios import workloads
+from k3verify.serving.backends import vllm_backend as vb
+from k3verify.verdict.gate import check_toggle
+
 from model_fixtures import model  # noqa: F401  (the module-scoped k3-mini fixture)
 from nonfinite_fixtures import VALUES, candidate_poison, poisoned, poisoned_weight
 

@@ -18,14 +18,15 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 from k3verify.quality import needle_gate  # noqa: E402
-from k3verify.quality.gate_run import toggled  # noqa: E402
-from k3verify.quality.gsm8k_gate import gsm8k_gate  # noqa: E402
 from k3verify.quality.evals import needle  # noqa: E402
 from k3verify.quality.evals.gsm8k import lookup_generate_fn  # noqa: E402
+from k3verify.quality.gate_run import toggled  # noqa: E402
+from k3verify.quality.gsm8k_gate import gsm8k_gate  # noqa: E402
 from optimized_stack import toggles  # noqa: E402
 from optimized_stack.model import ops  # noqa: E402
-from shared_data import SHARED  # noqa: E402
+
 from cli_helpers import cache, cli, load  # noqa: E402,F401  (cache: autouse fixture)
+from shared_data import SHARED  # noqa: E402
 
 DATA = SHARED / "data" / "gsm8k"
 REPO = Path(__file__).resolve().parent.parent

@@ -17,8 +17,9 @@ import pytest
 
 from k3verify import cli
 from k3verify.report import load_report
-from k3verify.suites import run_all, verdicts
+from k3verify.suites import run_all
 from k3verify.suites import suite as suites
+from k3verify.suites import verdicts
 from k3verify.suites.signoff import render_signoff
 from optimized_stack import load_model
 from optimized_stack import toggles as registry

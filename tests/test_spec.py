@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3verify.scenarios import workloads
 from k3verify.run.runner import Runner
+from k3verify.scenarios import workloads
 from k3verify.verdict.gate import check_toggle
 from optimized_stack import K3Error, toggles
 from optimized_stack.engine import Engine, EngineOptions, SamplingParams
@@ -27,6 +27,7 @@ from optimized_stack.engine.spec import NgramDrafter, Speculator, kda_state_byte
 from optimized_stack.kernels.kda.chunked import kda_chunked
 from optimized_stack.model.kda import kda_recurrent, kda_recurrent_trace, kda_replay
 from optimized_stack.model.ops import l2_norm
+
 from model_fixtures import model  # noqa: F401  (the module-scoped k3-mini fixture)
 
 SPEC_TOGGLES = ["spec_copy_states", "spec_replay_ssm"]

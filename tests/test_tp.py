@@ -11,12 +11,12 @@ import time
 import pytest
 import torch
 
-from k3verify.scenarios import workloads
-from k3verify.compare.tensors import compare_logits
 from k3verify.compare.captures import compare_captures
+from k3verify.compare.tensors import compare_logits
 from k3verify.run.runner import Runner
-from k3verify.verdict.gate import check_toggle
 from k3verify.run.sequential import run_scenario
+from k3verify.scenarios import workloads
+from k3verify.verdict.gate import check_toggle
 from optimized_stack import load_model
 from optimized_stack import toggles as registry
 from optimized_stack.errors import K3Error

@@ -14,19 +14,11 @@ import pytest
 import torch
 
 from k3verify.compare.logprobs import compare_logprobs
+from k3verify.errors import UsageError
 from k3verify.serving.backends import tiny_hf_model
 from k3verify.serving.backends.tiny_hf_model import VOCAB_SIZE, make_tiny_llama, model_hash
-from k3verify.serving.backends.vllm_backend import (
-    REFERENCE,
-    TOGGLES,
-    candidate_settings,
-    run_vllm,
-    run_vllm_pair,
-    validate_settings,
-    vllm_python,
-    vllm_unavailable_reason,
-)
-from k3verify.errors import UsageError
+from k3verify.serving.backends.vllm_backend import (REFERENCE, TOGGLES, candidate_settings, run_vllm, run_vllm_pair,
+                                                    validate_settings, vllm_python, vllm_unavailable_reason)
 
 # blake2b of the seed-0 checkpoint; if this moves, every stored vLLM capture is stale.
 SEED0_HASH = "67b313b4b532c64394a07401b99407b2"
@@ -169,9 +161,9 @@ def test_unavailable_interpreter_gives_a_skip_reason(tmp_path):
 def test_cli_diff_backend_vllm_report(tmp_path, capsys):
     """`k3verify diff --backend vllm` end to end: the rerun control is bitwise (exit 0) and
     the bf16 control must fail (exit 1), both through the same report format."""
+    from k3verify.cli import main
     from k3verify.serving.backends import tiny_hf_model
     from k3verify.serving.backends.vllm_backend import vllm_unavailable_reason
-    from k3verify.cli import main
 
     reason = vllm_unavailable_reason()
     if reason:

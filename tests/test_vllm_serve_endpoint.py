@@ -35,6 +35,7 @@ import pytest  # noqa: E402
 
 from k3verify.serving.backends.tiny_hf_model import make_tiny_llama  # noqa: E402
 from k3verify.serving.backends.vllm_backend import vllm_python, vllm_unavailable_reason  # noqa: E402
+
 from cli_helpers import cache, cli, load  # noqa: E402,F401  (cache: autouse fixture)
 
 pytestmark = pytest.mark.vllm

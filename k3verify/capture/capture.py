@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
+from k3verify.capture.nonfinite import NonFinite, first_nonfinite
 from k3verify.compare.tensors import hash_tensor
 from k3verify.io import atomic_write_json
-from k3verify.capture.nonfinite import NonFinite, first_nonfinite
 
 CAPTURE_FORMAT = "k3verify.capture"
 CAPTURE_VERSION = 2

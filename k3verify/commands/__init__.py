@@ -15,8 +15,6 @@ for every command (json_output); a command only prints through console() and emi
 
 from __future__ import annotations
 
-from k3verify import REPO_ROOT
-
 import contextlib
 import json
 import os
@@ -24,6 +22,8 @@ import sys
 from typing import Any, Iterator, TextIO
 
 from rich.console import Console
+
+from k3verify import REPO_ROOT
 
 REPORTS_DIR = REPO_ROOT / "reports"     # default parent of reports/<run-id>/
 

@@ -105,11 +105,10 @@ def _resume_dir(args) -> Path:
 
 
 def run(args) -> int:
-    from optimized_stack import load_model
-
     from k3verify.report import new_run_id
     from k3verify.suites import run_all, verdicts
     from k3verify.suites.suite import load_suite
+    from optimized_stack import load_model
 
     command = command_line()
     if args.resume:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from rich.table import Table
 
-from k3verify.commands import (add_device_flag, add_json_flag, add_model_flag, console, emit_json,
-                               model_load_options, requested_device)
+from k3verify.commands import (add_device_flag, add_json_flag, add_model_flag, console, emit_json, model_load_options,
+                               requested_device)
 from k3verify.errors import UsageError
 
 NAME = "bench"
@@ -39,10 +39,9 @@ def spec_of(args):
 
 
 def run(args) -> int:
-    from optimized_stack import load_model
-
     from k3verify.commands import _check
     from k3verify.kinds.base import Context
+    from optimized_stack import load_model
 
     units = _check.plan(spec_of(args))             # builds the workloads: a bad --scale is refused here
     model = load_model(args.model, device=requested_device(args), **model_load_options(args))

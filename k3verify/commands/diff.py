@@ -11,8 +11,8 @@ from pathlib import Path
 
 from rich.table import Table
 
-from k3verify.commands import (add_device_flag, add_json_flag, add_model_flag, console, emit_json,
-                               model_load_options, requested_device)
+from k3verify.commands import (add_device_flag, add_json_flag, add_model_flag, console, emit_json, model_load_options,
+                               requested_device)
 
 NAME = "diff"
 HELP = "judge one toggle against the reference path (bitwise / drift budget) and write a report"
@@ -62,10 +62,9 @@ def spec_of(args):
 
 
 def run(args) -> int:
-    from optimized_stack import load_model
-
     from k3verify.commands import _check
     from k3verify.kinds.base import Context
+    from optimized_stack import load_model
 
     units = _check.plan(spec_of(args))            # every bad flag refused here, before any work
     vllm = args.backend == "vllm"

@@ -30,9 +30,8 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from optimized_stack import load_model
-
     from k3verify.compare import golden
+    from optimized_stack import load_model
 
     directory = args.dir or golden.GOLDEN_DIR
     model = load_model(args.model, **model_load_options(args))

@@ -93,13 +93,12 @@ def spec_of(args):
 
 
 def run(args) -> int:
-    from optimized_stack import load_model
-
     from k3verify.commands import _check
     from k3verify.commands._progress import Item
     from k3verify.kinds import needle as kind
     from k3verify.kinds.base import Context
     from k3verify.quality.needle_gate import choose_fast
+    from optimized_stack import load_model
 
     spec = spec_of(args)
     (unit,) = _check.plan(spec)

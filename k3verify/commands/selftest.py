@@ -6,8 +6,8 @@ from pathlib import Path
 
 from rich.table import Table
 
-from k3verify.commands import (add_device_flag, add_json_flag, add_model_flag, console, emit_json,
-                               model_load_options, requested_device)
+from k3verify.commands import (add_device_flag, add_json_flag, add_model_flag, console, emit_json, model_load_options,
+                               requested_device)
 
 NAME = "selftest"
 HELP = "run every toggle and every seeded-fault mutant; exit 0 only if all mutants are caught"
@@ -22,10 +22,9 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from optimized_stack import load_model
-
     from k3verify.commands import _check
     from k3verify.kinds.base import CheckSpec, Context
+    from optimized_stack import load_model
 
     units = _check.plan(CheckSpec(NAME, options={"scale": args.scale}))
     device = requested_device(args)

@@ -22,8 +22,6 @@ deliberate change that needs a new record, not a drift.
 """
 from __future__ import annotations
 
-from k3verify import REPO_ROOT
-
 import hashlib
 import json
 import os
@@ -36,16 +34,16 @@ from typing import Any
 
 import torch
 
-from optimized_stack.numerics import mkl_state
-
-from k3verify.compare import primitive_probe
-from k3verify.scenarios import workloads
+from k3verify import REPO_ROOT
 from k3verify.capture.capture import Capture
-from k3verify.errors import UsageError
+from k3verify.compare import primitive_probe
 from k3verify.compare.captures import EXACT_CHECKS, compare_captures
+from k3verify.errors import UsageError
 from k3verify.io import atomic_write_json
 from k3verify.report.environment import model_fingerprint
 from k3verify.run.sequential import run_scenario
+from k3verify.scenarios import workloads
+from optimized_stack.numerics import mkl_state
 
 GOLDEN_FORMAT = "k3verify.golden"
 GOLDEN_VERSION = 2          # v2 adds the primitive probe and the machine; v1 files still load

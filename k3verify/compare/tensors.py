@@ -22,6 +22,7 @@ import torch
 
 from k3verify.compare.ulp import INT_VIEW, ULP_MAX, ulp_distance, ulp_histogram
 
+
 def _unravel(flat: int, shape: Sequence[int]) -> tuple[int, ...]:
     out = []
     for size in reversed(shape):

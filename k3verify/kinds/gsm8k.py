@@ -144,8 +144,8 @@ def endpoint_generate_fn(base_url: str, model_name: str | None, timeout_s: float
 
     Scoring and the task stay in run_gsm8k; only generation goes to the endpoint, through
     lm-eval's client (its payload: prompt, max_tokens, temperature 0, stop, seed)."""
-    from k3verify.serving.endpoint import served_model
     from k3verify.errors import UsageError
+    from k3verify.serving.endpoint import served_model
 
     url = completions_url(base_url)
     root = url[: -len("/completions")]

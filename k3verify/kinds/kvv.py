@@ -38,7 +38,7 @@ def validate(o: dict) -> None:
     if only is not None:
         if not (isinstance(only, list) and only and all(isinstance(x, str) for x in only)):
             raise OptionError("only", f"must be a non-empty list of check-name prefixes, got {only!r}")
-        from k3verify.quality.evals.kvv import _plan     # the check names run_kvv matches `only` against:
+        from k3verify.quality.evals.kvv import _plan  # the check names run_kvv matches `only` against:
         stub = types.SimpleNamespace(base_url="http://127.0.0.1/v1", model="m")   # building the plan sends nothing
         names = [n for n, _ in _plan(stub, False, o["max_tokens"], o["structured_max_tokens"])]
         unknown = [p for p in only if not any(n.startswith(p) for n in names)]

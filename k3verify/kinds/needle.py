@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from k3verify.verdict.result import Result, Subject
 
-from .base import (CheckSpec, Context, OptionError, Unit, check_fraction, check_int, check_toggles, device_skip,
-                   is_int, is_number, select_toggles, units_for)
+from .base import (CheckSpec, Context, OptionError, Unit, check_fraction, check_int, check_toggles, device_skip, is_int,
+                   is_number, select_toggles, units_for)
 
 NAME = "needle"
 OPTIONS = {"toggles": None, "lengths": [1024], "depths": [0.5], "seed": 0, "samples": 1, "distractors": 0,

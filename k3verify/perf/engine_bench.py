@@ -20,11 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
+from k3verify.perf.ab import ABResult
 from optimized_stack import load_model, toggles
 from optimized_stack.engine.engine import Engine
 from optimized_stack.engine.options import EngineOptions, SamplingParams
-
-from k3verify.perf.ab import ABResult
 
 
 def exact_engine_toggles() -> list[str]:

@@ -15,10 +15,9 @@ from typing import Any, Callable
 
 import torch
 
+from k3verify.perf.ab import interleaved
 from optimized_stack import toggles as toggle_registry
 from optimized_stack.config import KDA
-
-from k3verify.perf.ab import interleaved
 
 
 def sync() -> None:

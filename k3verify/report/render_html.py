@@ -14,8 +14,8 @@ import math
 from html import escape
 from typing import Any, Mapping, Optional, Sequence
 
-from k3verify.report.render_md import (finding_failed, finding_message, format_mapping, format_speedup, interval, key_numbers,
-                        num, result_title, status_text, summary_counts)
+from k3verify.report.render_md import (finding_failed, finding_message, format_mapping, format_speedup, interval,
+                                       key_numbers, num, result_title, status_text, summary_counts)
 
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2rem;color:#1d2330;max-width:1200px}

@@ -18,12 +18,11 @@ from typing import Any, Callable
 import torch
 from safetensors.torch import load, save
 
+from k3verify.capture.capture import Capture
 from optimized_stack import toggles as toggle_registry
 from optimized_stack.engine.options import SamplingParams
 from optimized_stack.engine.sampler import NonFiniteLogits, Sampler
 from optimized_stack.model.model import RequestState
-
-from k3verify.capture.capture import Capture
 
 RUNNER_OPTIONS = {"prefill_chunk", "state_roundtrip", "roundtrip_drops_conv"}
 

@@ -21,13 +21,12 @@ from typing import Any
 
 import torch
 
+from k3verify.capture.capture import Capture
+from k3verify.run.sequential import generate
 from optimized_stack import toggles as toggle_registry
 from optimized_stack.engine.sampler import NonFiniteLogits
 from optimized_stack.errors import K3Error
 from optimized_stack.parallel import RankContext, RankPool, TPModel, TPOptions
-
-from k3verify.capture.capture import Capture
-from k3verify.run.sequential import generate
 
 
 @dataclass

@@ -31,18 +31,17 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from k3verify.serving.backends.base import (MAX_TOP_LOGPROBS, BanConstraint, ProgramConstraint, SamplingParams,
-                                    TextBackend, json_object_program, tool_call_program)
+from k3verify.serving.backends.base import (MAX_TOP_LOGPROBS, BanConstraint, CompletionParams, ProgramConstraint,
+                                            TextBackend, json_object_program, tool_call_program)
 from k3verify.serving.generation import Generation, chat_logprobs, completion_logprobs
-from k3verify.serving.http import (ClientGone, JobStream, collect, error_body, error_response, gone_response,
-                                 read_body, sse, submit)
+from k3verify.serving.http import (ClientGone, JobStream, collect, error_body, error_response, gone_response, read_body,
+                                   sse, submit)
 from k3verify.serving.validation import (CHAT_PARAMS, COMPLETION_PARAMS, RequestError, ServeLimits, _fail,
-                                       check_context, check_known_params, check_messages, check_response_format,
-                                       check_sampling, check_stop, check_stream, check_tool_choice, check_tools,
-                                       parse_json_object)
+                                         check_context, check_known_params, check_messages, check_response_format,
+                                         check_sampling, check_stop, check_stream, check_tool_choice, check_tools,
+                                         parse_json_object)
 from k3verify.serving.worker import GenerationWorker, JobCancelled
 from optimized_stack.errors import K3Error
-
 
 # ---------------------------------------------------------------------------
 # The app
@@ -94,7 +93,7 @@ def create_app(backend: TextBackend, tokenizer, model_name: str = "k3-mini", enf
 
     @app.get("/health")
     async def health():
-        probe = Generation(backend, tokenizer, tokenizer.encode("ok"), SamplingParams(max_tokens=1))
+        probe = Generation(backend, tokenizer, tokenizer.encode("ok"), CompletionParams(max_tokens=1))
         ok, detail = await worker.ready(probe, limits.probe_timeout_s)
         return JSONResponse(status_code=200 if ok else 503, content={"status": "ok" if ok else "unavailable",
                                                                      **detail})

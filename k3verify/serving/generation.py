@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from typing import Callable, Iterator
 
-from k3verify.serving.backends.base import SamplingParams, TextBackend
+from k3verify.serving.backends.base import CompletionParams, TextBackend
 
 
 class Generation:
     """Runs one request on the backend; `deltas()` yields (text, events) pieces, then the
     attributes finish_reason, tool_calls, completion_tokens are final."""
 
-    def __init__(self, backend: TextBackend, tokenizer, prompt_ids: list[int], params: SamplingParams,
+    def __init__(self, backend: TextBackend, tokenizer, prompt_ids: list[int], params: CompletionParams,
                  constraint=None, stops: list[str] = (), chat: bool = False):
         self.backend, self.tokenizer = backend, tokenizer
         self.prompt_ids, self.params, self.constraint = prompt_ids, params, constraint

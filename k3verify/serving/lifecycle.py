@@ -67,8 +67,8 @@ def build_embedded_app(model=None, enforce_contract: bool = True, limits: ServeL
                        **load_options):
     """Load a model (preset name, path, or None for the embedded default) and wrap it in the app;
     load_options go to load_model (allow_nonfinite, allow_dtype_cast)."""
-    from k3verify.serving.backends.embedded import EmbeddedBackend
     from k3verify.serving.app import create_app
+    from k3verify.serving.backends.embedded import EmbeddedBackend
     from optimized_stack import load_model
     from optimized_stack.tokenizer import load_tokenizer
 

@@ -14,7 +14,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from k3verify.serving.backends.base import SamplingParams
+from k3verify.serving.backends.base import CompletionParams
 from optimized_stack.errors import K3Error
 
 # K3's immutable sampling values (KVV tests/params: temperature 1.0 thinking / 0.6 non-thinking,
@@ -169,8 +169,8 @@ def _number(body: dict, key: str, default: float) -> float:
     return float(value)
 
 
-def check_sampling(body: dict, enforce: bool, logprobs: int | None, stop_ids: tuple[int, ...]) -> SamplingParams:
-    """Sampling fields -> SamplingParams; K3's fixed values are enforced unless enforce is False."""
+def check_sampling(body: dict, enforce: bool, logprobs: int | None, stop_ids: tuple[int, ...]) -> CompletionParams:
+    """Sampling fields -> CompletionParams; K3's fixed values are enforced unless enforce is False."""
     temperature = _number(body, "temperature", 0.0)
     top_p = _number(body, "top_p", 1.0)
     n = body.get("n", 1)
@@ -201,7 +201,7 @@ def check_sampling(body: dict, enforce: bool, logprobs: int | None, stop_ids: tu
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         _fail(f"seed must be an integer, got {seed!r}", "seed")
-    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+    return CompletionParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
                           stop_token_ids=stop_ids, logprobs=logprobs)
 
 

@@ -24,8 +24,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
-from optimized_stack.errors import K3Error
-
 from k3verify import kinds
 from k3verify.compare import golden
 from k3verify.errors import UsageError
@@ -34,6 +32,7 @@ from k3verify.kinds.base import QUALITY_KINDS, Context, Unit
 from k3verify.report import build_report, write_report
 from k3verify.suites.suite import Suite, expand, parse_suite
 from k3verify.verdict.result import Result, Subject
+from optimized_stack.errors import K3Error
 
 PLAN_FORMAT = "k3verify.all-plan"
 PLAN_VERSION = 1

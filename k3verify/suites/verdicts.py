@@ -15,13 +15,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from optimized_stack import toggles as toggle_registry
-from optimized_stack.errors import K3Error
-
 from k3verify.compare import golden
 from k3verify.io import atomic_write_json, atomic_write_text
 from k3verify.report import build_report, environment_fingerprint, validate_report, write_report
 from k3verify.verdict.result import STATUSES
+from optimized_stack import toggles as toggle_registry
+from optimized_stack.errors import K3Error
 
 # a check's status over its units: the first of these any unit has (a not-exercised unit keeps
 # a check from passing; skip only when every unit skipped)

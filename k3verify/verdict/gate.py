@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import time
 
-from optimized_stack import toggles as toggle_registry
-
 from k3verify.capture.capture import Capture
-from k3verify.compare.captures import (EXACT_CHECKS, compare_captures, drift_refused, findings_for,
-                                       measure_drift, nonfinite_finding)
+from k3verify.compare.captures import (EXACT_CHECKS, compare_captures, drift_refused, findings_for, measure_drift,
+                                       nonfinite_finding)
 from k3verify.run.runner import Runner
 from k3verify.verdict.result import Result, Subject
+from optimized_stack import toggles as toggle_registry
 
 
 def model_device(model) -> str:

@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
+from k3verify.io import atomic_write_text
 from k3verify.quality.evals import gsm8k_synth
 from k3verify.quality.evals.lm_eval_model import GenerateFn, GenerateFnLM, truncate_at_stop
-from k3verify.io import atomic_write_text
 from optimized_stack.errors import K3Error
 
 DATASETS = ("gsm8k", "synth")

@@ -1,8 +1,8 @@
 """Backends: what the verifier drives. Each turns prompt token ids into TokenEvents."""
 
-from k3verify.serving.backends.base import SamplingParams, TextBackend, TokenConstraint, TokenEvent
+from k3verify.serving.backends.base import CompletionParams, TextBackend, TokenConstraint, TokenEvent
 
-__all__ = ["SamplingParams", "TextBackend", "TokenConstraint", "TokenEvent", "EmbeddedBackend"]
+__all__ = ["CompletionParams", "TextBackend", "TokenConstraint", "TokenEvent", "EmbeddedBackend"]
 
 
 def __getattr__(name):

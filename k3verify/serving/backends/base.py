@@ -20,8 +20,11 @@ MAX_TOP_LOGPROBS = 20  # the OpenAI API's ceiling for top_logprobs
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    """How to pick each next token. temperature 0 means greedy (argmax, ties to the lowest id)."""
+class CompletionParams:
+    """How to pick each next token of one completion request, as the OpenAI API spells it
+    (max_tokens, top_p, logprobs). temperature 0 means greedy (argmax, ties to the lowest id).
+    Not the engine's optimized_stack.engine.options.SamplingParams (max_new_tokens, stop_ids):
+    the embedded backend maps one onto the other."""
 
     max_tokens: int = 256
     temperature: float = 0.0
@@ -76,7 +79,7 @@ class TextBackend(Protocol):
     client goes away or it shuts down, and the backend must then stop producing and free the
     request's resources (a generator's finally does both)."""
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams,
+    def generate(self, prompt_ids: list[int], params: CompletionParams,
                  constraint: TokenConstraint | None = None) -> Iterator[TokenEvent]: ...
 
 

@@ -20,11 +20,11 @@ from typing import Callable, Iterator
 
 import torch
 
-from k3verify.serving.backends.base import SamplingParams, TextBackend, TokenConstraint, TokenEvent
+from k3verify.serving.backends.base import CompletionParams, TextBackend, TokenConstraint, TokenEvent
 from optimized_stack.errors import K3Error
 
 
-def pick_token(logits: torch.Tensor, params: SamplingParams, allowed: list[int] | None,
+def pick_token(logits: torch.Tensor, params: CompletionParams, allowed: list[int] | None,
                generator: torch.Generator | None) -> TokenEvent:
     """Choose the next token from one fp32 logit row [V]; logprobs are of the raw distribution."""
     raw_logprobs = torch.log_softmax(logits.float(), dim=-1)  # [V]
@@ -52,7 +52,7 @@ def pick_token(logits: torch.Tensor, params: SamplingParams, allowed: list[int] 
 
 
 @torch.no_grad()
-def decode(model, prompt_ids: list[int], params: SamplingParams,
+def decode(model, prompt_ids: list[int], params: CompletionParams,
            constraint: TokenConstraint | None = None) -> Iterator[TokenEvent]:
     """Reference generation loop: whole-prompt prefill, then one forward per generated token.
 
@@ -89,7 +89,7 @@ class EmbeddedBackend(TextBackend):
         self._guard = threading.Lock()  # held only to flip _open, never across a yield
         self._open = False
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams,
+    def generate(self, prompt_ids: list[int], params: CompletionParams,
                  constraint: TokenConstraint | None = None) -> Iterator[TokenEvent]:
         if not prompt_ids:
             raise K3Error("the prompt must have at least one token, got an empty prompt")

@@ -21,8 +21,6 @@ The comparison is compare/logprobs.py's (non-finite logprobs fail it with their 
 
 from __future__ import annotations
 
-from k3verify import REPO_ROOT
-
 import argparse
 import difflib
 import json
@@ -36,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from k3verify import REPO_ROOT
 from k3verify.compare.logprobs import compare_logprobs
 from k3verify.errors import UsageError
 
