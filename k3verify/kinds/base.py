@@ -254,6 +254,18 @@ def select_toggles(selector: str | list[str] | None, kind: str) -> list[str]:
 QUALITY_KINDS = ("gsm8k", "needle", "kvv")
 
 
+def gate_units(spec: CheckSpec) -> list[Unit]:
+    """A quality gate's units: one per toggle its selector picks, or one reference run when the
+    check names no toggles (or its selector picks none: the note says so)."""
+    o = spec.options
+    toggles = select_toggles(o["toggles"], spec.kind)
+    if o["toggles"] is not None and toggles:
+        return units_for(spec, toggles)
+    note = "" if o["toggles"] is None else \
+        f"no toggle selected by {o['toggles']!r} names {spec.kind} in its contract: reference only"
+    return [Unit(spec.kind, spec.name, o, None, note=note, check_index=spec.index)]
+
+
 def device_skip(toggle_name: str | None, device: str) -> str | None:
     """Why a toggle's check cannot run on this device (a CUDA kernel's gate on a CPU run), or None."""
     if toggle_name is None:

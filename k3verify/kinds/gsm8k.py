@@ -18,7 +18,7 @@ from urllib.parse import urlparse
 from k3verify.verdict.result import Result, Subject
 
 from .base import (CheckSpec, Context, OptionError, Unit, check_fraction, check_int, check_toggles, device_skip,
-                   is_number, select_toggles, units_for)
+                   is_number, gate_units)
 
 NAME = "gsm8k"
 OPTIONS = {"toggles": None, "dataset": "synth", "limit": 20, "data_dir": None, "base_url": None,
@@ -74,13 +74,7 @@ def validate(o: dict) -> None:
 
 
 def plan(spec: CheckSpec) -> list[Unit]:
-    o = spec.options
-    toggles = select_toggles(o["toggles"], NAME)
-    if o["toggles"] is None or not toggles:
-        note = "" if o["toggles"] is None else \
-            f"no toggle selected by {o['toggles']!r} names {NAME} in its contract: reference only"
-        return [Unit(spec.kind, spec.name, o, None, note=note, check_index=spec.index)]
-    return units_for(spec, toggles)
+    return gate_units(spec)
 
 
 def questions(o: dict) -> int:

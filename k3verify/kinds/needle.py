@@ -12,7 +12,7 @@ from __future__ import annotations
 from k3verify.verdict.result import Result, Subject
 
 from .base import (CheckSpec, Context, OptionError, Unit, check_fraction, check_int, check_toggles, device_skip, is_int,
-                   is_number, select_toggles, units_for)
+                   is_number, gate_units)
 
 NAME = "needle"
 OPTIONS = {"toggles": None, "lengths": [1024], "depths": [0.5], "seed": 0, "samples": 1, "distractors": 0,
@@ -53,13 +53,7 @@ def cases(o: dict) -> list:
 
 
 def plan(spec: CheckSpec) -> list[Unit]:
-    o = spec.options
-    toggles = select_toggles(o["toggles"], NAME)
-    if o["toggles"] is None or not toggles:
-        note = "" if o["toggles"] is None else \
-            f"no toggle selected by {o['toggles']!r} names {NAME} in its contract: reference only"
-        return [Unit(spec.kind, spec.name, o, None, note=note, check_index=spec.index)]
-    return units_for(spec, toggles)
+    return gate_units(spec)
 
 
 def case_s(length_tokens: int) -> float:

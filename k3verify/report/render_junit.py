@@ -15,7 +15,7 @@ import re
 import xml.etree.ElementTree as ET
 from typing import Any, Mapping
 
-from k3verify.report.render_md import finding_failed, finding_message, format_mapping, format_speedup, num
+from k3verify.report.render_md import failure_details, format_speedup, num
 from k3verify.verdict.result import STATUS
 
 _XML_INVALID = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
@@ -37,15 +37,8 @@ def _case_name(r: Mapping[str, Any]) -> str:
 
 
 def _failure_body(r: Mapping[str, Any]) -> str:
-    parts = []
-    if r.get("first_divergence"):
-        parts.append(f"first divergence: {format_mapping(r['first_divergence'])}")
-    if r.get("localization"):
-        parts.append(f"localization: {format_mapping(r['localization'])}")
-    for f in r.get("findings", []):
-        if isinstance(f, Mapping) and finding_failed(f):
-            parts.append(finding_message(f))
-    return "\n\n".join(parts) or str(r.get("reason", ""))
+    where, messages = failure_details(r)
+    return "\n\n".join([f"{label}: {text}" for label, text in where] + messages) or str(r.get("reason", ""))
 
 
 def render_junit(report: Mapping[str, Any]) -> str:

@@ -141,6 +141,15 @@ def summary_counts(summary: Mapping[str, Any]) -> str:
     return text + (f", {summary['not_exercised']} not exercised" if summary.get("not_exercised") else "")
 
 
+def failure_details(r: Mapping[str, Any]) -> tuple[list[tuple[str, str]], list[str]]:
+    """What a failing result says beyond its reason: [(label, text)] for the first divergence and
+    the localization, and the message of every failed finding (the Markdown and JUnit views)."""
+    where = [(label, format_mapping(r[key])) for key, label in (("first_divergence", "first divergence"),
+                                                                 ("localization", "localization")) if r.get(key)]
+    messages = [finding_message(f) for f in r.get("findings", []) if isinstance(f, Mapping) and finding_failed(f)]
+    return where, messages
+
+
 def status_text(r: Mapping[str, Any]) -> str:
     """The status as the views show it ("not exercised"); a smoke test says so beside its status."""
     status = r.get("status", "?")
@@ -207,13 +216,10 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     for r in failures:
         lines += ["", f"### {str(r.get('status')).upper()}: {result_title(r)}", "",
                   f"- contract: {r.get('contract', '')}", f"- reason: {_cell(r.get('reason', ''))}"]
-        if r.get("first_divergence"):
-            lines.append(f"- first divergence: {_cell(format_mapping(r['first_divergence']))}")
-        if r.get("localization"):
-            lines.append(f"- localization: {_cell(format_mapping(r['localization']))}")
-        for f in r.get("findings", []):
-            if isinstance(f, Mapping) and finding_failed(f):
-                lines += ["", _fence(finding_message(f))]
+        where, messages = failure_details(r)
+        lines += [f"- {label}: {_cell(text)}" for label, text in where]
+        for message in messages:
+            lines += ["", _fence(message)]
 
     undecided = [r for r in results if r.get("status") == "inconclusive"]
     if undecided:

@@ -40,15 +40,16 @@ class Status:
     summary_key: str   # its count in a report's summary
     label: str         # how a person reads it
     junit: str         # the JUnit element it becomes ("" for a plain passing testcase)
+    constructor: str   # Result.<constructor>(subject, check, reason, **fields)
 
 
 STATUS_TABLE = (
-    Status("pass", "passed", "pass", ""),
-    Status("fail", "failed", "fail", "failure"),
-    Status("skip", "skipped", "skip", "skipped"),
-    Status("error", "errors", "error", "error"),
-    Status("inconclusive", "inconclusive", "inconclusive", "skipped"),
-    Status("not_exercised", "not_exercised", "not exercised", "skipped"),
+    Status("pass", "passed", "pass", "", "passed"),
+    Status("fail", "failed", "fail", "failure", "failed"),
+    Status("skip", "skipped", "skip", "skipped", "skipped"),
+    Status("error", "errors", "error", "error", "errored"),
+    Status("inconclusive", "inconclusive", "inconclusive", "skipped", "inconclusive"),
+    Status("not_exercised", "not_exercised", "not exercised", "skipped", "not_exercised"),
 )
 STATUSES = tuple(s.name for s in STATUS_TABLE)
 STATUS = {s.name: s for s in STATUS_TABLE}
@@ -124,36 +125,14 @@ class Result:
     @classmethod
     def make(cls, status: str, subject: Subject, check: str, reason: str, *, scenario: str | None = None,
              **more: Any) -> "Result":
-        """A result with a computed status (a paired test's verdict); the named constructors
-        below are the same with the status fixed. Keys that are not fields go to `extra`."""
+        """A result with a computed status (a paired test's verdict). The constructors named by
+        status (Result.passed, .failed, .skipped, .errored, .inconclusive, .not_exercised: one
+        per STATUS_TABLE row, made below the class) are this with the status fixed. Keys that
+        are not fields go to `extra`."""
         own = {f.name for f in fields(cls)} - {"extra"}
         extra = {**more.pop("extra", {}), **{k: more.pop(k) for k in list(more) if k not in own}}
         return cls(toggle=subject.toggle, kind=subject.kind, contract=subject.contract, check=check,
                    scenario=scenario, status=status, reason=reason, extra=extra, **more)
-
-    @classmethod
-    def passed(cls, subject: Subject, check: str, reason: str, **kw: Any) -> "Result":
-        return cls.make("pass", subject, check, reason, **kw)
-
-    @classmethod
-    def failed(cls, subject: Subject, check: str, reason: str, **kw: Any) -> "Result":
-        return cls.make("fail", subject, check, reason, **kw)
-
-    @classmethod
-    def skipped(cls, subject: Subject, check: str, reason: str, **kw: Any) -> "Result":
-        return cls.make("skip", subject, check, reason, **kw)
-
-    @classmethod
-    def errored(cls, subject: Subject, check: str, reason: str, **kw: Any) -> "Result":
-        return cls.make("error", subject, check, reason, **kw)
-
-    @classmethod
-    def inconclusive(cls, subject: Subject, check: str, reason: str, **kw: Any) -> "Result":
-        return cls.make("inconclusive", subject, check, reason, **kw)
-
-    @classmethod
-    def not_exercised(cls, subject: Subject, check: str, reason: str, **kw: Any) -> "Result":
-        return cls.make("not_exercised", subject, check, reason, **kw)
 
     # ---- the report row ----------------------------------------------------------------------
     @property
@@ -186,6 +165,16 @@ class Result:
                    extra={k: v for k, v in row.items() if k not in own})
 
 
+def _constructor(status: Status):
+    def build(cls, subject: Subject, check: str, reason: str, **kw: Any) -> Result:
+        return cls.make(status.name, subject, check, reason, **kw)
+    build.__name__ = build.__qualname__ = status.constructor
+    build.__doc__ = f"A {status.label!r} result: Result.make({status.name!r}, subject, check, reason, **fields)."
+    return classmethod(build)
+
+
+for _status in STATUS_TABLE:
+    setattr(Result, _status.constructor, _constructor(_status))
 _OWN = frozenset(f.name for f in fields(Result)) - {"extra"}
 
 

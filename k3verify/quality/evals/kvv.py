@@ -23,7 +23,7 @@ import httpx
 
 from k3verify.quality.evals.json_schema import schema_errors
 from k3verify.quality.evals.kvv_client import (USER, Client, KvvOutcome, call_check, calls_of, error_line, expect_200,
-                                               expect_400, message_of, read_json, reassemble, set_fields)
+                                               expect_400, json_reply, message_of, read_json, reassemble, set_fields)
 from optimized_stack.errors import K3Error
 
 STATUSES = ("pass", "fail", "skip")
@@ -97,15 +97,11 @@ def _plan(c: Client, thinking: bool, small: int, big: int) -> list[tuple[str, Ca
 
     @add("response_format.json_object")
     def _(name):
-        status, body = c.chat(big, response_format={"type": "json_object"},
-                              messages=[{"role": "user", "content": "Reply with a JSON object describing a cat."}])
-        if status != 200:
-            return expect_200(name, status, body, "response_format json_object")
-        content = message_of(body).get("content") or ""
-        try:
-            doc = json.loads(content)
-        except ValueError:
-            return KvvOutcome(name, "fail", f"content is not a JSON document: {content[:80]!r}")
+        doc, failed = json_reply(name, "response_format json_object", *c.chat(
+            big, response_format={"type": "json_object"},
+            messages=[{"role": "user", "content": "Reply with a JSON object describing a cat."}]))
+        if failed:
+            return failed
         if not isinstance(doc, dict):
             return KvvOutcome(name, "fail", f"json_object must give an object, got {type(doc).__name__}")
         return KvvOutcome(name, "pass", f"content is a JSON object with {len(doc)} key(s)")
@@ -113,15 +109,11 @@ def _plan(c: Client, thinking: bool, small: int, big: int) -> list[tuple[str, Ca
     @add("response_format.json_schema")
     def _(name):
         fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA, "strict": True}}
-        status, body = c.chat(big, response_format=fmt,
-                              messages=[{"role": "user", "content": "Is the sky blue? Answer with confidence."}])
-        if status != 200:
-            return expect_200(name, status, body, "response_format json_schema")
-        content = message_of(body).get("content") or ""
-        try:
-            doc = json.loads(content)
-        except ValueError:
-            return KvvOutcome(name, "fail", f"content is not a JSON document: {content[:80]!r}")
+        doc, failed = json_reply(name, "response_format json_schema", *c.chat(
+            big, response_format=fmt,
+            messages=[{"role": "user", "content": "Is the sky blue? Answer with confidence."}]))
+        if failed:
+            return failed
         errors = schema_errors(doc, ANSWER_SCHEMA)
         if errors:
             return KvvOutcome(name, "fail", f"content breaks the schema: {errors[0]}")

@@ -92,6 +92,17 @@ def expect_200(name: str, status: int, body: dict, what: str) -> KvvOutcome:
     return KvvOutcome(name, "fail", f"{what} should be accepted, got HTTP {status}: {error_line(body)}")
 
 
+def json_reply(name: str, what: str, status: int, body: dict) -> tuple[object, KvvOutcome | None]:
+    """(the JSON document a 200 reply's message content holds, None), or (None, the failing outcome)."""
+    if status != 200:
+        return None, expect_200(name, status, body, what)
+    content = message_of(body).get("content") or ""
+    try:
+        return json.loads(content), None
+    except ValueError:
+        return None, KvvOutcome(name, "fail", f"content is not a JSON document: {content[:80]!r}")
+
+
 def message_of(body: dict) -> dict:
     return ((body.get("choices") or [{}])[0]).get("message") or {}
 

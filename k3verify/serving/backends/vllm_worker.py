@@ -10,9 +10,10 @@ reference and the candidate each get a fresh interpreter. The capture written to
     {"requests": [{"prompt_ids": [...], "tokens": [...], "logprobs": float32 [steps, V]}],
      "settings": {...}, "vllm_version": str, "torch_version": str, "timing_s": {...}}
 
-This module must import under the vLLM interpreter (its own venv), so it only
-imports the standard library, torch and vllm; settings are plain JSON and are
-validated by k3verify.serving.backends.vllm_backend before they get here.
+This module must import under the vLLM interpreter (its own venv), so besides the
+standard library, torch and vllm it imports only k3verify.io (standard library only; its
+atomic write); settings are plain JSON and are validated by
+k3verify.serving.backends.vllm_backend before they get here.
 """
 
 from __future__ import annotations
@@ -23,27 +24,13 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from k3verify.io import atomic_write_bytes
+
 # Keys that are not vllm.LLM keyword arguments.
 WORKER_KEYS = ("env", "submit", "logprobs_mode")
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    # Same recipe as k3verify.io.atomic_write_bytes, repeated so this file needs no k3verify import.
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _set_env(settings: dict) -> None:
@@ -139,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     capture["timing_s"]["process"] = time.perf_counter() - t_start
     buf = io.BytesIO()
     torch.save(capture, buf)
-    _atomic_write(Path(args.out), buf.getvalue())
+    atomic_write_bytes(Path(args.out), buf.getvalue())
     return 0
 
 
