@@ -21,7 +21,9 @@ Adding a toggle: the whole list (README links here; nothing else needs editing)
 1. Write the form beside the other forms of its op, with the slot's signature:
    `kernels/<op>/<form>.py` (the slots, their roles and signatures: model/ops.py OpTable; a
    new role is a new OpTable field that the model calls, None meaning its plain reference
-   code). An engine mechanism is instead an `EngineOptions` field that defaults to off
+   code). A new `kernels/<op>/` folder needs an `__init__.py`: discovery walks packages, and
+   a folder without one is silently not searched (tests/test_op_slots.py catches that). An
+   engine mechanism is instead an `EngineOptions` field that defaults to off
    (engine/options.py), the option it needs in `REQUIRES`; a change of the verifier's plain
    loop is a runner option (k3verify/run/sequential.py RUNNER_OPTIONS).
 2. Register it in that folder's `toggle_defs.py` (every module named `*toggle_defs` under
@@ -34,9 +36,11 @@ Adding a toggle: the whole list (README links here; nothing else needs editing)
    and `phases` when it is the GPU's fast path of prefill or decode. An engine toggle's
    `requires` is derived from REQUIRES (engine/toggle_defs.py `_opt`).
 3. Register its mutant beside it: a plausible bug of that very change, `kind="mutant"`,
-   `mutant_of=NAME`, the same contract and `touches`, `caught_by` (the check that must fail)
-   and `lives_in` (the component localisation names first: "kda/mixer", "moe/ffn", ...,
-   k3verify/localize.py).
+   `mutant_of=NAME`, the same contract and `touches`, `caught_by` (the check that must fail:
+   "drift_budget" for an approx contract) and `lives_in`: the component localisation names
+   first ("kda/mixer", "moe/ffn", ..., k3verify/localize.py), i.e. the first sublayer the
+   fault reaches in execution order, which for a shared op (a GEMM) is its first caller, not
+   the op; `k3verify selftest` prints where it localised it.
 4. Nothing lists toggles: the suites select by contract (checks/*.toml: all, all-exact,
    all-approx, and each quality gate the toggles whose contract names it), the selftest
    judges every registry entry on the cheapest scenario that exercises it, the GPU run judges
@@ -44,8 +48,9 @@ Adding a toggle: the whole list (README links here; nothing else needs editing)
    (k3verify/perf/gpu_suite.py). Name it in a suite only for a scenario or gate of its own.
 5. Prove it: `k3verify diff --toggle NAME` (the contract holds), `k3verify selftest` (the
    mutant is caught by `caught_by` and localised to `lives_in`), `k3verify all` (premerge).
-6. Record it: the measured drift against its budget in NOTES.md (dated) and a row in
-   README.md's toggle table.
+6. Record it: the measured drift against its budget in NOTES.md (dated), a row in
+   README.md's toggle table, and, for an approx toggle, the count of approx toggles in
+   checks/README.md's premerge/release cost estimates (each runs every quality gate).
 """
 from __future__ import annotations
 
