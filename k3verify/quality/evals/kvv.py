@@ -22,11 +22,10 @@ from typing import Callable
 import httpx
 
 from k3verify.quality.evals.json_schema import schema_errors
-from k3verify.quality.evals.kvv_client import (USER, Client, KvvOutcome, call_check, calls_of, error_line, expect_200,
-                                               expect_400, json_reply, message_of, read_json, reassemble, set_fields)
+from k3verify.quality.evals.kvv_client import (STATUSES, USER, Client, KvvOutcome, call_check, calls_of, error_line,
+                                               expect_200, expect_400, json_reply, message_of, read_json, reassemble,
+                                               set_fields)
 from optimized_stack.errors import K3Error
-
-STATUSES = ("pass", "fail", "skip")
 
 # KVV tests/params facts: (parameter, thinking default, non-thinking default, wrong value).
 IMMUTABLE_PARAMS = (
