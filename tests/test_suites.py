@@ -224,6 +224,13 @@ def test_suite_file_that_is_not_utf8_is_one_line(tmp_path):
         suites.load_suite(str(bad))
 
 
+def test_resume_of_a_plan_of_another_version_is_refused_in_one_line(tmp_path):
+    (tmp_path / "plan.json").write_text('{"format": "k3verify.all-plan", "version": 1, "units": []}')
+    with pytest.raises(UsageError, match=r"expected k3verify.all-plan v2, got 'k3verify.all-plan' v1 \(a plan written "
+                                         r"by another k3verify: run the suite again\)"):
+        run_all.load_plan(tmp_path)
+
+
 def test_resume_of_a_plan_that_is_not_utf8_is_one_line(tmp_path):
     (tmp_path / "plan.json").write_bytes(b"\xff\xfe{}")
     with pytest.raises(UsageError, match=r"cannot resume: no readable plan at"):

@@ -30,12 +30,12 @@ from k3verify.errors import UsageError
 from k3verify.io import atomic_write_json, make_dir
 from k3verify.kinds.base import QUALITY_KINDS, Context, Unit
 from k3verify.report import build_report, write_report
-from k3verify.suites.suite import Suite, expand, parse_suite
+from k3verify.suites.suite import Suite, expand
 from k3verify.verdict.result import Result, Subject
 from optimized_stack.errors import K3Error
 
 PLAN_FORMAT = "k3verify.all-plan"
-PLAN_VERSION = 1
+PLAN_VERSION = 2           # v2: units are the check kinds' (kinds/base.py Unit), options as suite v2 keys
 
 
 def unit_path(run_dir: Path, unit: Unit) -> Path:
@@ -71,8 +71,9 @@ def load_plan(run_dir: Path) -> dict[str, Any]:
     except (OSError, ValueError):                 # ValueError: not JSON, or not UTF-8
         raise UsageError(f"cannot resume: no readable plan at {p} (expected a run directory of `k3verify all`)") from None
     if not isinstance(plan, dict) or plan.get("format") != PLAN_FORMAT or plan.get("version") != PLAN_VERSION:
-        got = plan.get("format") if isinstance(plan, dict) else type(plan).__name__
-        raise UsageError(f"cannot resume {p}: expected {PLAN_FORMAT} v{PLAN_VERSION}, got {got!r}")
+        got = f"{plan.get('format')!r} v{plan.get('version')}" if isinstance(plan, dict) else type(plan).__name__
+        raise UsageError(f"cannot resume {p}: expected {PLAN_FORMAT} v{PLAN_VERSION}, got {got} (a plan written "
+                         f"by another k3verify: run the suite again)")
     return plan
 
 
@@ -81,11 +82,6 @@ def check_model(plan: dict, model) -> None:
     if mid != plan["model_id"]:
         raise UsageError(f"cannot resume {plan['run_id']}: it ran on model {plan['model_id'][:30]}, "
                          f"this is {mid[:30]} (weights changed?)")
-
-
-def suite_of(plan: dict) -> Suite:
-    s = plan["suite"]
-    return parse_suite(plan["suite_text"], name=s["name"], path=s["path"])
 
 
 def _subject(toggle: str | None) -> Subject:
