@@ -1,7 +1,7 @@
 """CUDA toggles (kernels/kda, kernels/moe toggle_defs.py): registered CUDA-only and skipped on a CPU with
 the reason; the grouped-expert and side-stream forms checked where they can run (their
 arithmetic on the CPU, their kernels on a GPU). The model-level verdicts on the GPU are the
-GPU suite's (k3verify/gpu_suite.py, scripts/gpu_suite.sh); GPU tests here skip on a CPU."""
+GPU suite's (k3verify/perf/gpu_suite.py, scripts/gpu_suite.sh); GPU tests here skip on a CPU."""
 from __future__ import annotations
 
 import pytest

@@ -50,7 +50,7 @@ def gsm8k_gate(ref_fn: GenerateFn, cand_fn: GenerateFn | None = None, *, toggle:
 
     run_kwargs go to k3verify.quality.evals.gsm8k.run_gsm8k (dataset, data_dir, limit, num_fewshot,
     seed, max_new_tokens, cache_dir, ...). With cand_fn each filter's status is the paired
-    verdict at `margin` (stats.py: pass, fail or inconclusive); without it the run is a
+    verdict at `margin` (quality/stats.py: pass, fail or inconclusive); without it the run is a
     measurement that fails only below min_accuracy. smoke marks every result role "smoke".
     """
     from k3verify.quality.evals.gsm8k import run_gsm8k

@@ -1,6 +1,6 @@
 """Run a scenario under tensor parallelism (world size W) and capture it on rank 0.
 
-The same observer calls as the sequential runner (runner.py): every request alone in
+The same observer calls as the sequential runner (run/sequential.py): every request alone in
 arrival order, whole-prompt prefill, one token per step, greedy or seeded sampling,
 teacher forcing with `force`. Every rank runs the loop; rank 0 samples and broadcasts
 the token (what a TP engine's driver does, so ranks can never part), gathers the KDA

@@ -3,13 +3,13 @@
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions
 (streamed over SSE or not), POST /tokenize (vLLM's shape: count, tokens).
 Requests are held to K3's API contract as the Kimi Vendor Verifier checks it
-(check_* in serve_validation.py); a bad request gets HTTP 400 with a one-line reason and the
+(check_* in serving/validation.py); a bad request gets HTTP 400 with a one-line reason and the
 server keeps serving. `enforce_contract=False` turns the K3-specific rules off
 (sampling values clamped, tools and formats not judged, no constraints) and
 exists only as the negative control for the checks in k3verify/evals/kvv.py.
 
 Robustness (issue 16): one worker thread owns the backend and takes requests from a bounded
-queue (serve_worker.py); past --max-queue a request gets 429 with Retry-After, never a hang.
+queue (serving/worker.py); past --max-queue a request gets 429 with Retry-After, never a hang.
 A request whose client disconnects is cancelled within one forward, streamed or not. Bodies
 past --max-body-bytes get 413; nesting past 64 levels, unknown parameters, prompts past
 --max-prompt-tokens and prompt + max_tokens past --max-model-len get 400. GET /health is

@@ -1,6 +1,6 @@
 """One request's generation: backend tokens in, text deltas out (streamed and whole answers alike).
 
-Generation runs on the server's generation worker (serve_worker.py), never on the event
+Generation runs on the server's generation worker (serving/worker.py), never on the event
 loop. `should_stop` is asked after every token the backend produced, so a cancelled
 request (client gone, server draining) stops within one forward and the backend's
 stream is closed at once.

@@ -1,4 +1,4 @@
-"""HTTP plumbing between the app's endpoints and the generation worker (serve_worker.py).
+"""HTTP plumbing between the app's endpoints and the generation worker (serving/worker.py).
 
 - read_body: the body, refused with 413 past max_body_bytes before it is all read;
 - submit: a job on the worker, or 429 / 503 with Retry-After instead of waiting;

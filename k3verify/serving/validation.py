@@ -1,8 +1,8 @@
 """The request rules of K3's API contract, as the Kimi Vendor Verifier checks them.
 
 Each check_* takes the raw JSON body (or one field of it) and either returns the
-parsed value or raises RequestError, which the server (serve.py) turns into
-HTTP 400 with a one-line reason. Kept apart from serve.py because these rules
+parsed value or raises RequestError, which the server (serving/app.py) turns into
+HTTP 400 with a one-line reason. Kept apart from app.py because these rules
 are the contract itself: they can be read, changed and reviewed without the
 FastAPI app, the generation loop or SSE streaming around them.
 """
