@@ -21,7 +21,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from .errors import UsageError
+from k3verify.errors import UsageError
 
 
 class WriteError(OSError, UsageError):

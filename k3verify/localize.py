@@ -22,11 +22,10 @@ from typing import Any
 
 import torch
 
+from k3verify.capture.nonfinite import first_nonfinite, side_text
+from k3verify.compare.tensors import compare_tensors, hash_tensor
+from k3verify.run.sequential import _roundtrip
 from optimized_stack import toggles as toggle_registry
-
-from .compare import compare_tensors, hash_tensor
-from .nonfinite import first_nonfinite, side_text
-from .runner import _roundtrip
 
 
 def _record(model, feed) -> tuple[list[tuple[int, str]], dict[tuple[int, str], torch.Tensor]]:

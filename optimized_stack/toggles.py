@@ -16,6 +16,41 @@ Contracts:
 Mutants are seeded faults with the same shape as toggles (`kind="mutant"`): each names
 the check that must catch it and where it lives, so `k3verify selftest` can prove that
 every check can fail.
+
+Adding a toggle: the whole list (README links here; nothing else needs editing)
+1. Write the form beside the other forms of its op, with the slot's signature:
+   `kernels/<op>/<form>.py` (the slots, their roles and signatures: model/ops.py OpTable; a
+   new role is a new OpTable field that the model calls, None meaning its plain reference
+   code). A new `kernels/<op>/` folder needs an `__init__.py`: discovery walks packages, and
+   a folder without one is silently not searched (tests/test_op_slots.py catches that). An
+   engine mechanism is instead an `EngineOptions` field that defaults to off
+   (engine/options.py), the option it needs in `REQUIRES`; a change of the verifier's plain
+   loop is a runner option (k3verify/run/sequential.py RUNNER_OPTIONS).
+2. Register it in that folder's `toggle_defs.py` (every module named `*toggle_defs` under
+   optimized_stack is discovered; none is listed): `name`, a one-line `description`, the
+   tensors it `touches`, its `contract` (EXACT, or an approx Contract with a drift budget
+   and the quality gates it must pass: reuse the folder's budget when the numerics are
+   alike), how it is applied (`ops={slot: fn}`, `engine={...}` or `runner={...}`), where it
+   runs (`devices`, `world_sizes`), the scenario tags that put it under load (`exercised_by`;
+   tags in k3verify/scenarios/workloads.py; `scenario_tags` only if it applies nowhere else),
+   and `phases` when it is the GPU's fast path of prefill or decode. An engine toggle's
+   `requires` is derived from REQUIRES (engine/toggle_defs.py `_opt`).
+3. Register its mutant beside it: a plausible bug of that very change, `kind="mutant"`,
+   `mutant_of=NAME`, the same contract and `touches`, `caught_by` (the check that must fail:
+   "drift_budget" for an approx contract) and `lives_in`: the component localisation names
+   first ("kda/mixer", "moe/ffn", ..., k3verify/localize.py), i.e. the first sublayer the
+   fault reaches in execution order, which for a shared op (a GEMM) is its first caller, not
+   the op; `k3verify selftest` prints where it localised it.
+4. Nothing lists toggles: the suites select by contract (checks/*.toml: all, all-exact,
+   all-approx, and each quality gate the toggles whose contract names it), the selftest
+   judges every registry entry on the cheapest scenario that exercises it, the GPU run judges
+   every CUDA kernel toggle with its mutants and times the `phases` sets
+   (k3verify/perf/gpu_suite.py). Name it in a suite only for a scenario or gate of its own.
+5. Prove it: `k3verify diff --toggle NAME` (the contract holds), `k3verify selftest` (the
+   mutant is caught by `caught_by` and localised to `lives_in`), `k3verify all` (premerge).
+6. Record it: the measured drift against its budget in NOTES.md (dated), a row in
+   README.md's toggle table, and, for an approx toggle, the count of approx toggles in
+   checks/README.md's premerge/release cost estimates (each runs every quality gate).
 """
 from __future__ import annotations
 
@@ -30,6 +65,7 @@ from .model import ops as op_table
 
 TENSORS = ("logits", "kda_state", "kda_conv", "mla_rows")
 CHECKS = ("logits", "kda_state", "tokens", "mla_rows", "drift_budget")
+PHASES = ("prefill", "decode")
 
 
 @dataclass(frozen=True)
@@ -97,6 +133,9 @@ class Toggle:
     caught_by: tuple[str, ...] = ()
     lives_in: str | None = None
     mutant_of: str | None = None
+    # the phases this form is the fast path for ("prefill", "decode"): the GPU run times each
+    # phase with the toggles that name it and passed (k3verify/perf/gpu_suite.py phase_set)
+    phases: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in ("optimization", "mutant"):
@@ -111,6 +150,9 @@ class Toggle:
             raise K3Error(f"mutant {self.name!r}: must name the check that catches it (caught_by)")
         if self.not_exact_on and self.contract.kind != "exact":
             raise K3Error(f"toggle {self.name!r}: not_exact_on only qualifies an exact contract")
+        bad = [p for p in self.phases if p not in PHASES]
+        if bad:
+            raise K3Error(f"toggle {self.name!r}: phases {bad[0]!r}, expected some of {PHASES}")
         slots = [f.name for f in fields(op_table.OpTable)]
         bad = [k for k in self.ops if k not in slots]
         if bad:
@@ -127,7 +169,7 @@ class Toggle:
                 "requires": list(self.requires),
                 "scenario_tags": list(self.scenario_tags), "exercised_by": list(self.exercised_by),
                 "caught_by": list(self.caught_by),
-                "lives_in": self.lives_in, "mutant_of": self.mutant_of}
+                "lives_in": self.lives_in, "mutant_of": self.mutant_of, "phases": list(self.phases)}
 
 
 _REGISTRY: dict[str, Toggle] = {}

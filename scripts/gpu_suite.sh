@@ -22,16 +22,16 @@ n_gpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 bench_gpu=$(( n_gpu > 1 ? 1 : 0 ))
 (
   if [ "$n_gpu" -ge 2 ]; then
-    timeout 240 python3 -m k3verify.gpu_suite --out "$OUT" --sections tp --budget-s 200 > "$OUT/lane_tp.log" 2>&1
+    timeout 240 python3 -m k3verify.perf.gpu_suite --out "$OUT" --sections tp --budget-s 200 > "$OUT/lane_tp.log" 2>&1
   fi
   CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m pytest -m gpu tests/test_cuda_toggles.py -q -p no:cacheprovider \
     > "$OUT/pytest_gpu.log" 2>&1
 ) &
-CUDA_VISIBLE_DEVICES=$bench_gpu timeout 260 python3 -m k3verify.gpu_suite --out "$OUT" --sections verdicts,split --budget-s 230
+CUDA_VISIBLE_DEVICES=$bench_gpu timeout 260 python3 -m k3verify.perf.gpu_suite --out "$OUT" --sections verdicts,split --budget-s 230
 wait
 tail -5 "$OUT/pytest_gpu.log" "$OUT/lane_tp.log" 2>/dev/null
 CUDA_VISIBLE_DEVICES=$bench_gpu K3VERIFY_GPU_VERDICTS="$OUT/gpu_verdicts_split.json" \
-  timeout "${BENCH_TIMEOUT_S:-250}" python3 -m k3verify.gpu_suite --out "$OUT" --sections bench --budget-s "${BENCH_BUDGET_S:-230}"
+  timeout "${BENCH_TIMEOUT_S:-250}" python3 -m k3verify.perf.gpu_suite --out "$OUT" --sections bench --budget-s "${BENCH_BUDGET_S:-230}"
 # the device returns at most 8 files: the Markdown and logs travel as one tar
 (cd "$OUT" && tar -cf text.tar ./*.md ./*.log && rm -f ./*.md ./*.log)
 ls -la "$OUT"

@@ -9,7 +9,7 @@ k3verify. --init DIR resumes: the weights, and DIR/optim.pt (AdamW moments) when
 Data (byte tokens, from k3verify's generators; never the held-out splits):
 - gsm8k-synth train split as lm-eval's few-shot text, "Question: q\\nAnswer: a" joined by
   "\\n\\n", as many pairs as fit one row;
-- needle cases (k3verify.evals.needle.make_case) with 0-3 distractors, then one extra
+- needle cases (k3verify.quality.evals.needle.make_case) with 0-3 distractors, then one extra
   question per distractor; lengths follow a curriculum 1K-2K -> ... -> 4K-32K, or the fixed
   list --needle-lengths.
 Loss only on what the model must generate at eval time: every answer, the "\\n\\nQuestion:"
@@ -31,8 +31,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from k3verify.evals import gsm8k_synth  # noqa: E402
-from k3verify.evals import needle as nd  # noqa: E402
+from k3verify.quality.evals import gsm8k_synth  # noqa: E402
+from k3verify.quality.evals import needle as nd  # noqa: E402
 from optimized_stack import train as tr  # noqa: E402
 from optimized_stack.errors import K3Error  # noqa: E402
 from optimized_stack.model.ops import override, plain_linear  # noqa: E402

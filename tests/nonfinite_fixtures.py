@@ -66,8 +66,11 @@ def poisoned_weight(param: torch.nn.Parameter, index: tuple[int, ...], value: st
 @contextlib.contextmanager
 def candidate_poison(name: str, poison, contract: str = "exact") -> Iterator[str]:
     """A temporary toggle whose only effect is `poison()` (a context manager factory): the
-    candidate run is poisoned, the reference is not. Toggles switch only op-table slots, so the
-    poison is entered here, test-side, whenever `registry.applied` applies this toggle."""
+    candidate run is poisoned, the reference is not.
+
+    A toggle switches op-table slots, engine or runner options, never a model's methods, so
+    the test's poison (a shadowed forward_batch) rides on the one place toggles are applied:
+    `registry.applied` enters it whenever this toggle is among the names (in this process)."""
     c = registry.Contract("approx", max_kl=1e-3, min_top1=0.99) if contract == "approx" else registry.EXACT
     registry.register(registry.Toggle(name=name, description="test only: poisons the candidate",
                                       contract=c, touches=("logits",)))
@@ -76,9 +79,11 @@ def candidate_poison(name: str, poison, contract: str = "exact") -> Iterator[str
     @contextlib.contextmanager
     def applied(names):
         with real(names) as result:
-            with (poison() if name in names else contextlib.nullcontext()):
+            if name not in names:
                 yield result
-
+                return
+            with poison():
+                yield result
     registry.applied = applied
     try:
         yield name

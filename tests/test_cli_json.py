@@ -13,7 +13,7 @@ import pytest
 from k3verify import cli, commands
 from optimized_stack import toggles as registry
 
-DIFF_SUITE = ('version = 1\ndescription = "json"\n[[check]]\nkind = "diff"\ntoggles = ["prefill_step_api"]\n'
+DIFF_SUITE = ('version = 2\ndescription = "json"\n[[check]]\nkind = "diff"\ntoggles = ["prefill_step_api"]\n'
               'scenarios = ["single"]\nscale = 0.25\n')
 KVV_SCORES = {"OCRBench": 0.88, "MMMU-Pro Vision": 0.81, "BEAM 1M": 0.30, "DeepSWE": 0.67}
 

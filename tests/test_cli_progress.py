@@ -11,10 +11,10 @@ import re
 import pytest
 from rich.console import Console
 
-from k3verify import cli
+from k3verify import cli, kinds
 from k3verify.commands import all as all_cmd
-from k3verify.commands._costs import unit_cost_s
 from k3verify.commands._progress import Estimate, Item, RunProgress
+from k3verify.kinds.base import CheckSpec, Unit
 
 PROGRESS = re.compile(r"\d+/\d+ +elapsed \d+:\d\d:\d\d +(ETA \d+:\d\d:\d\d|done)")
 
@@ -110,36 +110,36 @@ def test_without_a_terminal_nothing_of_the_progress_appears(capfd, tmp_path):
 
 def test_all_on_a_terminal_counts_units_with_an_eta(tty, tmp_path):
     """Display in k3verify all: units done/total, an ETA from per-kind costs, the live counts."""
-    units = [{"id": f"00{i}-d", "kind": "diff", "toggle": "prefill_step_api", "scenario": "single",
-              "options": {"scale": 0.25, "seed": 0}} for i in (1, 2)]
-    units.append({"id": "003-golden", "kind": "golden", "toggle": None, "scenario": None, "options": {}})
+    diff = CheckSpec("diff", options={"toggles": ["prefill_step_api"], "scenarios": ["single"], "scale": 0.25})
+    units = [Unit("diff", "d", diff.options, "prefill_step_api", "single", id=f"00{i}-d") for i in (1, 2)]
+    units.append(Unit("golden", "golden", CheckSpec("golden").options, id="003-golden"))
     row = {"toggle": "prefill_step_api", "status": "pass"}
-    with tty() as (_, err), all_cmd.Display({"units": units}, {}) as display:
-        display.done(units[0], [row])                    # resumed: finished by an earlier attempt
+    with tty() as (_, err), all_cmd.Display(units) as display:
+        display.unit_done(units[0], [row])               # resumed: finished by an earlier attempt
         display.start(units[1])
-        display.step("prefill_step_api on single")
-        display.done(units[1], [row])
+        display.note("prefill_step_api on single")
+        display.unit_done(units[1], [row])
         assert display.bar.status().startswith("2/3") and "ETA" in display.bar.status()
     text = err.getvalue()
     assert PROGRESS.search(text) and "so far" in text and "prefill_step_api" in text
 
 
 def test_all_off_a_terminal_prints_one_plain_line_per_unit(capfd):
-    units = [{"id": "001-golden", "kind": "golden", "toggle": None, "scenario": None, "options": {}}]
-    with all_cmd.Display({"units": units}, {}) as display:
+    units = [Unit("golden", "golden", CheckSpec("golden").options, id="001-golden")]
+    with all_cmd.Display(units) as display:
         display.start(units[0])
-        display.step("golden check")
-        display.done(units[0], [{"toggle": "(reference)", "status": "pass"}])
+        display.note("golden check")
+        display.unit_done(units[0], [{"toggle": "(reference)", "status": "pass"}])
     out, err = capfd.readouterr()
     assert out == "" and err == "  001-golden ...\n    golden check\n"
 
 
 def test_unit_costs_grow_with_the_work():
-    diff = {"kind": "diff", "toggle": "t", "scenario": "single", "options": {"scale": 1.0, "seed": 0}}
-    quarter = {**diff, "options": {"scale": 0.25, "seed": 0}}
-    needle = {"kind": "needle", "toggle": "t", "options": {"lengths": [4096], "depths": [0.5]}}
-    longer = {**needle, "options": {"lengths": [32768], "depths": [0.5]}}
-    gsm = {"kind": "gsm8k", "toggle": None, "options": {"limit": 20}}
-    assert unit_cost_s(quarter) < unit_cost_s(diff)
-    assert unit_cost_s(longer) > 8 * unit_cost_s(needle), "attention makes long needles superlinear"
-    assert unit_cost_s({**gsm, "toggle": "t"}) == 2 * unit_cost_s(gsm), "a toggle answers every question twice"
+    def unit(kind, toggle=None, scenario=None, **options):
+        return Unit(kind, kind, CheckSpec(kind, options=options).options, toggle, scenario)
+    diff, quarter = unit("diff", "t", "single"), unit("diff", "t", "single", scale=0.25)
+    needle, longer = unit("needle", "t", lengths=[4096]), unit("needle", "t", lengths=[32768])
+    gsm, gsm_t = unit("gsm8k", limit=20), unit("gsm8k", "t", limit=20)
+    assert kinds.cost_s(quarter) < kinds.cost_s(diff)
+    assert kinds.cost_s(longer) > 8 * kinds.cost_s(needle), "attention makes long needles superlinear"
+    assert kinds.cost_s(gsm_t) == 2 * kinds.cost_s(gsm), "a toggle answers every question twice"

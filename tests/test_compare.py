@@ -1,4 +1,4 @@
-"""k3verify.compare: ULP distance, bitwise/tolerance findings, logit distances, hashes."""
+"""k3verify.compare: ULP distance (ulp.py), bitwise/tolerance findings, logit distances, hashes (tensors.py)."""
 
 import json
 import math
@@ -6,17 +6,8 @@ import math
 import pytest
 import torch
 
-from k3verify.compare import (
-    HIST_LABELS,
-    ULP_MAX,
-    Finding,
-    compare_logits,
-    compare_tensors,
-    first_divergence,
-    hash_tensor,
-    ulp_distance,
-    ulp_histogram,
-)
+from k3verify.compare.tensors import Finding, compare_logits, compare_tensors, first_divergence, hash_tensor
+from k3verify.compare.ulp import HIST_LABELS, ULP_MAX, ulp_distance, ulp_histogram
 
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 FLOAT_IDS = ["fp16", "bf16", "fp32", "fp64"]

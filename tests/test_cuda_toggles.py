@@ -1,14 +1,14 @@
 """CUDA toggles (kernels/kda, kernels/moe toggle_defs.py): registered CUDA-only and skipped on a CPU with
 the reason; the grouped-expert and side-stream forms checked where they can run (their
 arithmetic on the CPU, their kernels on a GPU). The model-level verdicts on the GPU are the
-GPU suite's (k3verify/gpu_suite.py, scripts/gpu_suite.sh); GPU tests here skip on a CPU."""
+GPU suite's (k3verify/perf/gpu_suite.py, scripts/gpu_suite.sh); GPU tests here skip on a CPU."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from k3verify import workloads
-from k3verify.gate import check_toggle
+from k3verify.scenarios import workloads
+from k3verify.verdict.gate import check_toggle
 from optimized_stack import load_model
 from optimized_stack import toggles as registry
 from optimized_stack.kernels.kda import fla

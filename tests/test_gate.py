@@ -7,11 +7,12 @@ import json
 
 import pytest
 
-from k3verify import workloads
-from k3verify.capture import Capture
+from k3verify.capture.capture import Capture
 from k3verify.cli import main
-from k3verify.gate import ReferenceRuns, check_toggle
-from k3verify.runner import run_scenario
+from k3verify.run.runner import Runner
+from k3verify.run.sequential import run_scenario
+from k3verify.scenarios import workloads
+from k3verify.verdict.gate import check_toggle
 from optimized_stack import K3Error, load_model
 from optimized_stack import toggles as registry
 from optimized_stack.model import ops
@@ -29,7 +30,7 @@ def scenario():
 
 @pytest.fixture(scope="module")
 def refs(model):
-    return ReferenceRuns(model)
+    return Runner(model)
 
 
 def statuses(results):
@@ -37,13 +38,13 @@ def statuses(results):
 
 
 def test_exact_toggle_is_bitwise_on_every_check(model, scenario, refs):
-    res = check_toggle(model, "state_offload_roundtrip", scenario, references=refs)
+    res = check_toggle(model, "state_offload_roundtrip", scenario, runner=refs)
     assert statuses(res) == {"tokens": "pass", "logits": "pass", "kda_state": "pass", "mla_rows": "pass"}
     assert all("bit-identical" in r.reason for r in res)
 
 
 def test_mutant_is_caught_by_state_check_and_localised(model, scenario, refs):
-    res = check_toggle(model, "mut_roundtrip_drops_conv", scenario, references=refs)
+    res = check_toggle(model, "mut_roundtrip_drops_conv", scenario, runner=refs)
     st = statuses(res)
     assert st["kda_state"] == "fail", "dropping the conv window must fail the KDA state check"
     kda = next(r for r in res if r.check == "kda_state")
@@ -53,7 +54,7 @@ def test_mutant_is_caught_by_state_check_and_localised(model, scenario, refs):
 
 
 def test_op_mutant_localised_to_sublayer(model, scenario, refs):
-    res = check_toggle(model, "mut_router_bias_in_weights", scenario, references=refs)
+    res = check_toggle(model, "mut_router_bias_in_weights", scenario, runner=refs)
     logits = next(r for r in res if r.check == "logits")
     assert logits.status == "fail"
     assert logits.localization["component"] == "moe/ffn"
@@ -62,11 +63,11 @@ def test_op_mutant_localised_to_sublayer(model, scenario, refs):
 
 
 def test_approx_within_budget_and_mutant_outside(model, scenario, refs):
-    ok = check_toggle(model, "kda_chunked", scenario, references=refs)[0]
+    ok = check_toggle(model, "kda_chunked", scenario, runner=refs)[0]
     assert ok.status == "pass", ok.reason
     assert 0 < ok.evidence["kl_max"] < 1e-6 and ok.evidence["top1_agreement"] == 1.0
     assert ok.evidence["max_ulp"] > 0, "chunked KDA is not bit-exact: drift must be visible"
-    bad = check_toggle(model, "mut_kda_chunk_off_by_one", scenario, references=refs)[0]
+    bad = check_toggle(model, "mut_kda_chunk_off_by_one", scenario, runner=refs)[0]
     assert bad.status == "fail" and "max KL" in bad.reason
 
 
@@ -138,7 +139,7 @@ def test_state_budget_catches_what_a_lax_logits_budget_misses(model, scenario, r
             name=name, description="test only", contract=contract, touches=("kda_state",),
             ops={"kda_prefill": _transposed_state_recurrence, "kda_decode": _transposed_state_recurrence}))
         try:
-            results[name] = check_toggle(model, name, scenario, references=refs, localize_failures=False)[0]
+            results[name] = check_toggle(model, name, scenario, runner=refs, localize_failures=False)[0]
         finally:
             registry._REGISTRY.pop(name)
     assert results["tmp_lax_transposed"].status == "pass"          # the logits budget alone lets it through
@@ -146,5 +147,5 @@ def test_state_budget_catches_what_a_lax_logits_budget_misses(model, scenario, r
     assert bad.status == "fail" and "KDA state drift" in bad.reason
     assert bad.evidence["kda_state_rel_max"] > 1e-2
     # negative control: a correct kernel stays far inside the same state budget
-    ok = check_toggle(model, "kda_chunked", scenario, references=refs)[0]
+    ok = check_toggle(model, "kda_chunked", scenario, runner=refs)[0]
     assert ok.status == "pass" and ok.evidence["kda_state_rel_max"] < 1e-5

@@ -13,7 +13,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from k3verify import cli
-from k3verify import golden_hashes as gh
+from k3verify.compare import golden as gh
+from k3verify.kinds import golden as golden_kind
 from optimized_stack import load_model
 from optimized_stack.model import model as model_module
 from optimized_stack.model import ops
@@ -75,7 +76,7 @@ def test_perturbed_reference_fails_with_location(model, recorded, small, monkeyp
     assert "scenario single, request r0, position" in gc.reason
     kda = [d for d in v.divergences if d["check"] == "kda_state"]
     assert kda and isinstance(kda[0]["layer"], int), "the KDA state divergence names its layer"
-    results = gh.to_results(gc)
+    results = golden_kind.results(gc)
     assert results[0]["status"] == "fail" and results[0]["first_divergence"] == first
 
 
@@ -83,7 +84,7 @@ def test_unknown_environment_is_a_skip_with_reason(model, tmp_path):
     gc = gh.check(model, tmp_path)
     assert gc.status == "skip"
     assert "no golden hashes for numerics environment" in gc.reason and "bits legitimately differ" in gc.reason
-    assert gh.to_results(gc)[0]["status"] == "skip"
+    assert golden_kind.results(gc)[0]["status"] == "skip"
 
 
 def test_unknown_model_in_a_known_environment_is_a_skip(model, recorded, monkeypatch):
@@ -114,7 +115,7 @@ def test_another_machines_numerics_are_a_skip_naming_the_primitive(model, record
     assert gc.status == "skip", gc.reason
     assert "do not apply to this machine" in gc.reason and ("aten.bmm" in gc.reason or "aten.mm" in gc.reason)
     assert "k3verify golden record" in gc.reason
-    (row,) = gh.to_results(gc)
+    (row,) = golden_kind.results(gc)
     assert row["status"] == "skip" and row["evidence"]["machine_difference"]["differing"] > 0
 
 
@@ -127,7 +128,7 @@ def test_a_drift_on_another_machine_is_still_a_drift_when_its_primitives_agree(m
 
 
 def _golden_cli(action: str, directory, **env: str) -> subprocess.CompletedProcess:
-    code = ("import sys; from k3verify import golden_hashes as gh, cli; gh.GOLDEN_SCENARIOS = (('single', 0.25),); "
+    code = ("import sys; from k3verify.compare import golden as gh; from k3verify import cli; gh.GOLDEN_SCENARIOS = (('single', 0.25),); "
             f"sys.exit(cli.main(['golden', '{action}', '--dir', {str(directory)!r}, '--reason', 'test']))")
     base = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
     return subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,

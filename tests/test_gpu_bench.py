@@ -1,4 +1,4 @@
-"""The arithmetic behind the GPU speed tables (k3verify/gpu_bench.py, gpu_suite.py): the
+"""The arithmetic behind the GPU speed tables (k3verify/perf/gpu_bench.py, gpu_suite.py, gpu_render.py): the
 bytes a decode step must move, the roofline fraction, the bench plan parser and the report
 rendering. The GPU timings themselves are the device run's (golden/reports/gpu-*)."""
 from __future__ import annotations
@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from k3verify import bench, gpu_bench, gpu_suite, workloads
+from k3verify.perf import bench, gpu_bench, gpu_suite
+from k3verify.scenarios import workloads
 from optimized_stack import load_model
 
 
@@ -77,3 +78,58 @@ def test_bench_of_a_cuda_toggle_on_cpu_is_not_timed_and_says_why(model, capsys):
     assert main(["bench", "--toggle", "kda_fla_chunk", "--scale", "0.25", "--repeats", "2", "--json"]) == 0
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])[0]
     assert row["counted"] is False and "runs on cuda, not cpu" in row["why"]
+
+
+# ---- what the GPU run judges and times is read from the registry -----------------------------
+
+def test_the_gpu_runs_lists_come_from_the_registry():
+    from optimized_stack import toggles as registry
+
+    assert set(gpu_suite.phase_set("prefill")) == {"kda_fla_chunk", "mla_sdpa", "moe_grouped",
+                                                   "shared_expert_side_stream"}
+    assert set(gpu_suite.phase_set("decode")) == {"kda_fla_recurrent", "mla_absorbed", "moe_grouped",
+                                                  "shared_expert_side_stream"}
+    kernels = gpu_suite.kernel_toggles()
+    assert kernels[:4] == ("kda_fla_chunk", "kda_fla_recurrent", "moe_grouped", "shared_expert_side_stream"), \
+        "CUDA-only kernels first: the time budget cuts the tail"
+    assert {"kda_chunked", "mla_absorbed", "mla_sdpa", "gemm_per_shape"} <= set(kernels)
+    assert all(registry.get(m).mutant_of in kernels for m in gpu_suite.kernel_mutants())
+    assert {"mut_fla_chunk_drops_state", "mut_gemm_per_shape_drops_column"} <= set(gpu_suite.kernel_mutants())
+    assert set(gpu_suite.engine_roots()) == {"continuous_batching", "chunked_prefill", "prefix_cache",
+                                             "projected_kv_cache"}
+    # a kernel registered now is judged, timed with its phase and its mutant added, without an edit here;
+    # negative control: a toggle that swaps no op slot is not a kernel
+    from optimized_stack.model import ops
+    new = [registry.Toggle(name="tmp_cuda_kernel", description="x", contract=registry.EXACT, touches=("logits",),
+                           devices=("cuda",), ops={"linear": ops.plain_linear}, phases=("decode",)),
+           registry.Toggle(name="tmp_cuda_kernel_mut", description="x", contract=registry.EXACT, touches=("logits",),
+                           devices=("cuda",), kind="mutant", mutant_of="tmp_cuda_kernel", caught_by=("logits",),
+                           ops={"linear": ops.plain_linear}),
+           registry.Toggle(name="tmp_cuda_runner_only", description="x", contract=registry.EXACT, touches=("logits",),
+                           devices=("cuda",), runner={"prefill_chunk": 7})]
+    for t in new:
+        registry.register(t)
+    try:
+        assert "tmp_cuda_kernel" in gpu_suite.kernel_toggles()[:5]
+        assert "tmp_cuda_kernel_mut" in gpu_suite.kernel_mutants()
+        assert "tmp_cuda_kernel" in gpu_suite.phase_set("decode")
+        assert "tmp_cuda_kernel" not in gpu_suite.phase_set("prefill")
+        assert "tmp_cuda_runner_only" not in gpu_suite.kernel_toggles()
+    finally:
+        for t in new:
+            registry._REGISTRY.pop(t.name)
+
+
+def test_engine_toggles_require_what_engine_options_require():
+    """One source of the rule: an engine toggle's `requires` is engine/options.py REQUIRES's."""
+    from optimized_stack import toggles as registry
+    from optimized_stack.engine.options import REQUIRES, required_options
+
+    for t in registry.all_toggles("optimization"):
+        if t.engine:
+            assert set(t.requires) == set(required_options(t.engine)) - {t.name}, t.name
+            for needed in t.requires:            # the option's toggle is named after it and switches it on
+                assert registry.get(needed).engine.get(needed), (t.name, needed)
+    assert registry.get("ckpt_with_mla_tail").requires == ("prefix_cache", "prefix_cache_subblock")
+    assert REQUIRES["speculative"] == "continuous_batching" and registry.get("spec_replay_ssm").requires == (
+        "continuous_batching",)

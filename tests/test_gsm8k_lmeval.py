@@ -13,10 +13,11 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from k3verify.evals import gsm8k_synth  # noqa: E402
-from k3verify.evals.gsm8k import greedy_generate_fn, lookup_generate_fn, run_gsm8k  # noqa: E402
-from k3verify.evals.lm_eval_model import GenerateFnLM  # noqa: E402
+from k3verify.quality.evals import gsm8k_synth  # noqa: E402
+from k3verify.quality.evals.gsm8k import greedy_generate_fn, lookup_generate_fn, run_gsm8k  # noqa: E402
+from k3verify.quality.evals.lm_eval_model import GenerateFnLM  # noqa: E402
 from optimized_stack.errors import K3Error  # noqa: E402
+
 from shared_data import SHARED  # noqa: E402
 
 DATA = SHARED / "data" / "gsm8k"
@@ -141,7 +142,7 @@ def test_synth_runs_through_the_same_task(no_network, cache):
 
 
 def gsm8k_synth_train_n() -> int:
-    from k3verify.evals.gsm8k import SYNTH_TRAIN_N
+    from k3verify.quality.evals.gsm8k import SYNTH_TRAIN_N
     return SYNTH_TRAIN_N
 
 

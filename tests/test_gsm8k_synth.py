@@ -5,8 +5,9 @@ import re
 
 import pytest
 
-from k3verify.evals import gsm8k_synth
+from k3verify.quality.evals import gsm8k_synth
 from optimized_stack.errors import K3Error
+
 from shared_data import SHARED  # noqa: E402
 
 STEP_RE = re.compile(r"(\d+) ([-+*/]) (\d+) = \$?(\d+)")

@@ -11,8 +11,10 @@ pytest.importorskip("fastapi")
 from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.responses import JSONResponse, StreamingResponse  # noqa: E402
 
-from k3verify.evals.kvv import import_kvv_results, run_kvv, schema_errors  # noqa: E402
-from k3verify.serve import ServerThread, build_embedded_app  # noqa: E402
+from k3verify.quality.evals.json_schema import schema_errors  # noqa: E402
+from k3verify.quality.evals.kvv import run_kvv  # noqa: E402
+from k3verify.quality.evals.kvv_ranges import import_kvv_results  # noqa: E402
+from k3verify.serving.lifecycle import ServerThread, build_embedded_app  # noqa: E402
 from optimized_stack.errors import K3Error  # noqa: E402
 
 CONTRACT_PREFIXES = ["params.reject", "response_format.reject", "tool_choice.reject", "tools.reject",

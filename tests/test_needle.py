@@ -4,8 +4,8 @@ import time
 
 import pytest
 
-from k3verify.evals import needle
-from k3verify.evals.needle import NEEDLE, TOLERANCE_TOKENS, make_case, score
+from k3verify.quality.evals import needle
+from k3verify.quality.evals.needle import NEEDLE, TOLERANCE_TOKENS, make_case, score
 from optimized_stack.errors import K3Error
 from optimized_stack.tokenizer import ByteTokenizer
 

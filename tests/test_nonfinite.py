@@ -10,15 +10,17 @@ import pytest
 import torch
 
 import optimized_stack
-from k3verify import cli, workloads
-from k3verify.capture import Capture
-from k3verify.compare import hash_tensor
-from k3verify.nonfinite import NonFinite, first_nonfinite
-from k3verify.runner import run_scenario
-from model_fixtures import model  # noqa: F401  (the module-scoped k3-mini fixture)
-from nonfinite_fixtures import VALUES, poisoned
+from k3verify import cli
+from k3verify.capture.capture import Capture
+from k3verify.capture.nonfinite import NonFinite, first_nonfinite
+from k3verify.compare.tensors import hash_tensor
+from k3verify.run.sequential import run_scenario
+from k3verify.scenarios import workloads
 from optimized_stack.engine.options import SamplingParams
 from optimized_stack.engine.sampler import NonFiniteLogits, Sampler
+
+from model_fixtures import model  # noqa: F401  (the module-scoped k3-mini fixture)
+from nonfinite_fixtures import VALUES, poisoned
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "hashes"
 KINDS = list(VALUES)

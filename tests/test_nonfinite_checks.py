@@ -15,12 +15,15 @@ import json
 import pytest
 
 import optimized_stack
-from k3verify import workloads
 from k3verify.cli import main
-from k3verify.gate import EXACT_CHECKS, ReferenceRuns, _drift, check_toggle
+from k3verify.compare.captures import EXACT_CHECKS
+from k3verify.run.runner import Runner
+from k3verify.scenarios import workloads
+from k3verify.verdict.gate import check_toggle, drift_verdict
+from optimized_stack import toggles as registry
+
 from model_fixtures import model  # noqa: F401  (the module-scoped k3-mini fixture)
 from nonfinite_fixtures import VALUES, candidate_poison, poisoned, poisoned_weight
-from optimized_stack import toggles as registry
 
 KINDS = list(VALUES)
 SIDES = ("reference", "candidate")
@@ -34,13 +37,13 @@ def small():
 
 @pytest.fixture(scope="module")
 def clean_refs(model):
-    return ReferenceRuns(model)
+    return Runner(model)
 
 
 @pytest.fixture(scope="module")
 def final(clean_refs, small):
     """Tokens in r0 after the last forward: a state poisoned there feeds no sampled row."""
-    return max(clean_refs.get(small).requests["r0"].kda)
+    return max(clean_refs.reference(small).requests["r0"].kda)
 
 
 def _poison(model, where: str, kind: str, final: int):
@@ -59,14 +62,14 @@ def _poison(model, where: str, kind: str, final: int):
 def _judge(model, small, poison, side: str, contract: str = "exact"):
     """check_toggle with the poison on one side: the reference (then a real toggle of the
     contract's kind is judged, clean) or the candidate (a temporary toggle applies it)."""
-    refs = ReferenceRuns(model)
+    refs = Runner(model)
     if side == "reference":
         with poison():
-            refs.get(small)
+            refs.reference(small)
         toggle = "prefill_step_api" if contract == "exact" else "kda_chunked"
-        return check_toggle(model, toggle, small, references=refs, localize_failures=False), refs.get(small)
+        return check_toggle(model, toggle, small, runner=refs, localize_failures=False), refs.reference(small)
     with candidate_poison(f"tmp_poison_{contract}", poison, contract) as name:
-        return check_toggle(model, name, small, references=refs, localize_failures=False), refs.get(small)
+        return check_toggle(model, name, small, runner=refs, localize_failures=False), refs.reference(small)
 
 
 # ---- exact checks: tokens / logits / kda_state / mla_rows ------------------------------
@@ -89,12 +92,12 @@ def test_same_poison_on_both_sides_hashes_alike_and_still_fails(model, small, fi
     """The negative control: identical NaN bits on both sides give equal hashes, which is
     all the old comparator looked at; the finiteness record fails it."""
     poison, message, check = _poison(model, where, "nan", final)
-    refs = ReferenceRuns(model)
+    refs = Runner(model)
     with poison():
-        ref = refs.get(small)
+        ref = refs.reference(small)
     with candidate_poison("tmp_poison_both", poison):
         cand = refs.run(small, ("tmp_poison_both",))
-        res = check_toggle(model, "tmp_poison_both", small, references=refs, localize_failures=False)
+        res = check_toggle(model, "tmp_poison_both", small, runner=refs, localize_failures=False)
     r, c = ref.requests["r0"], cand.requests["r0"]
     items = {"logits": lambda x: x.logits[3], "recurrent": lambda x: x.kda[final][(2, "recurrent")],
              "mla": lambda x: x.mla[3]}[where]
@@ -139,15 +142,15 @@ def test_drift_budget_fails_on_a_nonfinite_kda_state(model, small, final):
 def test_old_drift_computation_passes_what_the_refusal_catches(model, small, final):
     """Negative control: KL, top-1 and ULP of NaN vs NaN compare as nothing."""
     poison, message, _ = _poison(model, "logits", "nan", final)
-    refs = ReferenceRuns(model)
+    refs = Runner(model)
     with poison():
-        ref = refs.get(small)
+        ref = refs.reference(small)
         cand = refs.run(small, (), keep=True, force={rid: rc.tokens for rid, rc in ref.requests.items()})
     contract = registry.Contract("approx", max_kl=1e-3, min_top1=0.99)
-    ok, reason, _, _ = _drift(ref, cand, contract)
+    ok, reason, _, _ = drift_verdict(ref, cand, contract)
     assert ok, f"the budget alone lets NaN through: {reason}"
     with candidate_poison("tmp_poison_approx", poison, "approx"):
-        res = check_toggle(model, "tmp_poison_approx", small, references=refs, localize_failures=False)
+        res = check_toggle(model, "tmp_poison_approx", small, runner=refs, localize_failures=False)
     assert res[0].status == "fail" and res[0].reason == f"{message} (reference and candidate sides)"
 
 

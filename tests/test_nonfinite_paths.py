@@ -10,14 +10,18 @@ import math
 import pytest
 import torch
 
-import k3verify.tp_runner  # noqa: F401  (registers the TP toggles)
-from k3verify import golden_hashes as gh
-from k3verify import vllm_diff, workloads
-from k3verify.backends import vllm_backend as vb
-from k3verify.bench import bench_toggle
-from k3verify.capture import Capture
-from k3verify.gate import ReferenceRuns, check_toggle
+from k3verify import kinds
+from k3verify.capture.capture import Capture
+from k3verify.compare import golden as gh
+from k3verify.compare.logprobs import compare_logprobs
+from k3verify.kinds.base import CheckSpec, Context
 from k3verify.localize import localize_request
+from k3verify.perf.bench import bench_toggle
+from k3verify.run.runner import Runner
+from k3verify.scenarios import workloads
+from k3verify.serving.backends import vllm_backend as vb
+from k3verify.verdict.gate import check_toggle
+
 from model_fixtures import model  # noqa: F401  (the module-scoped k3-mini fixture)
 from nonfinite_fixtures import VALUES, candidate_poison, poisoned, poisoned_weight
 
@@ -104,7 +108,7 @@ def test_engine_toggle_localisation_still_names_the_nonfinite_sublayer(model, sm
 def test_gate_failure_carries_the_nonfinite_localisation(model, small):
     w = model.get_parameter("model.layers.1.block_sparse_moe.shared_experts.down_proj.weight")
     with poisoned_weight(w, (0, 0), "nan"):
-        res = check_toggle(model, "prefill_step_api", small, references=ReferenceRuns(model))
+        res = check_toggle(model, "prefill_step_api", small, runner=Runner(model))
     logits = next(r for r in res if r.check == "logits")
     assert logits.status == "fail" and logits.localization["component"] == "moe/ffn"
     assert logits.localization["reason"].startswith("first sublayer whose output is non-finite (nan): layer 1 ffn")
@@ -125,11 +129,11 @@ def test_bench_refuses_to_time_a_nonfinite_contract_failure(model):
 @pytest.mark.parametrize("kind", ["nan", "inf"])
 def test_tp_captures_fail_on_nonfinite(model, small, kind):
     with poisoned_weight(model.lm_head.weight, (3, 5), kind):     # the ranks get the poisoned copy
-        refs = ReferenceRuns(model, world_size=2)
+        refs = Runner(model, world_size=2)
         try:
-            ref = refs.get(small)
+            ref = refs.reference(small)
             cand = refs.run(small, ("tp_dedup_router",))
-            res = check_toggle(model, "tp_dedup_router", small, references=refs)
+            res = check_toggle(model, "tp_dedup_router", small, runner=refs)
         finally:
             refs.close()
     assert ref.stopped and cand.stopped, "every rank's sampler refused the same row: no hang"
@@ -163,7 +167,7 @@ def _rows(**entries) -> torch.Tensor:
 def test_vllm_nonfinite_logprobs_fail(kind, side):
     bad, good = _vllm_capture(_rows(at={(2, 5): VALUES[kind]})), _vllm_capture(_rows())
     ref, cand = (bad, good) if side == "reference" else (good, bad)
-    summary, _ = vb.compare_captures(ref, cand)
+    summary, _ = compare_logprobs(ref, cand)
     assert not summary.passed
     assert summary.nonfinite["reason"] == (f"non-finite ({kind}) in logprobs of request 1 at step 2, "
                                            f"vocab index 5 ({side} side)")
@@ -171,19 +175,19 @@ def test_vllm_nonfinite_logprobs_fail(kind, side):
 
 def test_vllm_identical_nan_is_bitwise_equal_but_fails():
     nan = _rows(at={(1, 4): math.nan})
-    summary, _ = vb.compare_captures(_vllm_capture(nan), _vllm_capture(nan.clone()))
+    summary, _ = compare_logprobs(_vllm_capture(nan), _vllm_capture(nan.clone()))
     assert summary.bitwise_equal, "negative control: the old verdict (bitwise) passes it"
     assert not summary.passed and summary.nonfinite["sides"] == ["reference", "candidate"]
 
 
 def test_vllm_masked_minus_inf_passes_only_where_vllm_masks():
     masked = _rows(at={(0, 1): -math.inf, (1, 1): -math.inf})
-    summary, _ = vb.compare_captures(_vllm_capture(masked, MASKING), _vllm_capture(masked, MASKING))
+    summary, _ = compare_logprobs(_vllm_capture(masked, MASKING), _vllm_capture(masked, MASKING))
     assert summary.passed and summary.nonfinite is None, "processed logprobs: masked tokens are -inf"
-    summary, _ = vb.compare_captures(_vllm_capture(masked), _vllm_capture(masked))
+    summary, _ = compare_logprobs(_vllm_capture(masked), _vllm_capture(masked))
     assert not summary.passed, "raw logprobs are log_softmax of finite logits: -inf is the model's own"
     empty = _rows(at={(1, i): -math.inf for i in range(8)})
-    summary, _ = vb.compare_captures(_vllm_capture(empty, MASKING), _vllm_capture(empty, MASKING))
+    summary, _ = compare_logprobs(_vllm_capture(empty, MASKING), _vllm_capture(empty, MASKING))
     assert summary.nonfinite["reason"].startswith("non-finite (-inf) in logprobs of request 1 at step 1, "
                                                   "vocab index 0"), "a row with nothing finite is no distribution"
 
@@ -193,8 +197,9 @@ def test_vllm_diff_reports_the_location(tmp_path, monkeypatch):
     bad = _vllm_capture(_rows(at={(0, 2): math.inf}))
     monkeypatch.setattr(vb, "vllm_unavailable_reason", lambda *a: None)
     monkeypatch.setattr(vb, "run_vllm_pair", lambda *a, **k: (bad, bad))
-    [res] = vllm_diff.judge_vllm(tmp_path, ["rerun"])
-    assert res["status"] == "fail"
-    assert res["reason"] == ("non-finite (inf) in logprobs of request 1 at step 0, vocab index 2 "
-                             "(reference and candidate sides)")
-    assert res["first_divergence"] == {"request": 1, "step": 0, "tensor": "logprobs", "side": "reference+candidate"}
+    (unit,) = kinds.plan(CheckSpec("diff", options={"toggles": ["rerun"], "backend": "vllm"}))
+    (res,) = kinds.run(unit, Context(None, model_arg=str(tmp_path)))
+    assert res.status == "fail"
+    assert res.reason == ("non-finite (inf) in logprobs of request 1 at step 0, vocab index 2 "
+                          "(reference and candidate sides)")
+    assert res.first_divergence == {"request": 1, "step": 0, "tensor": "logprobs", "side": "reference+candidate"}

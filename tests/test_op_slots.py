@@ -54,6 +54,18 @@ def test_two_toggles_that_want_one_slot_differently_are_refused():
         registry._REGISTRY.pop("tmp_slot_b")
 
 
+def test_every_toggle_defs_file_is_a_discovered_module():
+    """A toggle_defs.py in a folder without __init__.py would be silently skipped by the package
+    walk: every such file on disk must be a discovered module."""
+    from pathlib import Path
+
+    import optimized_stack
+    root = Path(optimized_stack.__file__).parent
+    on_disk = {"optimized_stack." + ".".join(p.relative_to(root).with_suffix("").parts)
+               for p in root.rglob("*toggle_defs.py")}
+    assert on_disk and on_disk == set(registry.toggle_modules()), on_disk ^ set(registry.toggle_modules())
+
+
 def test_toggle_modules_are_discovered_and_every_toggle_comes_from_one():
     mods = registry.toggle_modules()
     assert "optimized_stack.kernels.kda.toggle_defs" in mods and "optimized_stack.engine.toggle_defs" in mods

@@ -1,4 +1,4 @@
-"""Quality-gate commands (gsm8k, needle, kvv, serve) and k3verify.quality, offline.
+"""Quality-gate commands (gsm8k, needle, kvv, serve) and the gates of k3verify.quality, offline.
 
 The CLI runs use a tiny seeded 2-layer model (one KDA, one MLA layer) written to a
 temp dir, so a GSM8K question or a 1024-token needle costs seconds on 2 cores.
@@ -17,13 +17,16 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from k3verify import quality  # noqa: E402
-from k3verify.evals import needle  # noqa: E402
-from k3verify.evals.gsm8k import lookup_generate_fn  # noqa: E402
+from k3verify.quality import needle_gate  # noqa: E402
+from k3verify.quality.evals import needle  # noqa: E402
+from k3verify.quality.evals.gsm8k import lookup_generate_fn  # noqa: E402
+from k3verify.quality.gate_run import toggled  # noqa: E402
+from k3verify.quality.gsm8k_gate import gsm8k_gate  # noqa: E402
 from optimized_stack import toggles  # noqa: E402
 from optimized_stack.model import ops  # noqa: E402
-from shared_data import SHARED  # noqa: E402
+
 from cli_helpers import cache, cli, load  # noqa: E402,F401  (cache: autouse fixture)
+from shared_data import SHARED  # noqa: E402
 
 DATA = SHARED / "data" / "gsm8k"
 REPO = Path(__file__).resolve().parent.parent
@@ -126,7 +129,7 @@ def test_gsm8k_issue_16_command_on_the_embedded_model(capsys, tmp_path):
 def test_gsm8k_cli_base_url_matches_the_embedded_model(capsys, tmp_path, tiny_model):
     # lm-eval's local-completions client needs lm-eval's API extra (tenacity)
     pytest.importorskip("tenacity", reason="lm-eval[api] (tenacity) is needed for --base-url")
-    from k3verify.serve import ServerThread, build_embedded_app
+    from k3verify.serving.lifecycle import ServerThread, build_embedded_app
 
     common = ["--limit", 2, "--data-dir", DATA, "--num-fewshot", 0, "--max-new-tokens", 4]
     with ServerThread(build_embedded_app(tiny_model)) as server:
@@ -145,7 +148,7 @@ def _wrong(answers: dict[str, str]) -> dict[str, str]:
 
 def test_paired_gate_fails_when_the_candidate_turns_wrong():
     # negative control: a candidate that loses every question the reference answers
-    run = quality.gsm8k_gate(lookup_generate_fn(TRUE_ANSWERS), lookup_generate_fn(_wrong(TRUE_ANSWERS)),
+    run = gsm8k_gate(lookup_generate_fn(TRUE_ANSWERS), lookup_generate_fn(_wrong(TRUE_ANSWERS)),
                              toggle="kda_state_bf16", data_dir=DATA, limit=5)
     assert not run.passed
     for r in run.results:
@@ -156,11 +159,11 @@ def test_paired_gate_fails_when_the_candidate_turns_wrong():
 
 def test_paired_gate_passes_an_identical_candidate_only_at_a_resolving_n():
     fn = lookup_generate_fn(TRUE_ANSWERS)
-    small = quality.gsm8k_gate(fn, fn, data_dir=DATA, limit=5, num_fewshot=0)
+    small = gsm8k_gate(fn, fn, data_dir=DATA, limit=5, num_fewshot=0)
     assert not small.passed and {r["status"] for r in small.results} == {"inconclusive"}
     assert all(r["accuracy"]["b"] == r["accuracy"]["c"] == 0 for r in small.results)
     assert small.details["accuracy"]["reference"] == {"strict-match": 1.0, "flexible-extract": 1.0}
-    large = quality.gsm8k_gate(fn, fn, data_dir=DATA, limit=300, num_fewshot=0)
+    large = gsm8k_gate(fn, fn, data_dir=DATA, limit=300, num_fewshot=0)
     assert large.passed and {r["status"] for r in large.results} == {"pass"}
     assert all(r["accuracy"]["lower_bound"] > -0.01 and r["mde"] < 0.01 for r in large.results)
 
@@ -171,7 +174,7 @@ def test_toggled_applies_the_toggle_only_during_generation():
     def probe(prompts, max_new_tokens, stop):
         seen.append(ops.OPS.kda_prefill)
         return [""] * len(prompts)
-    quality.toggled(probe, ["kda_chunked"])(["x"], 1, [])
+    toggled(probe, ["kda_chunked"])(["x"], 1, [])
     assert seen[0] is not None and seen[0].__name__ == "kda_chunked"
     assert ops.OPS.kda_prefill is None, "the toggle must be removed after the call"
 
@@ -188,7 +191,7 @@ def test_needle_cli_runs_a_1024_token_cell(capsys, tmp_path, tiny_model):
     assert r["check"] == "needle" and r["scenario"] == "L1024-d50" and r["base_toggles"] == []
     (case,) = r["reference_cases"]
     assert abs(case["prompt_tokens"] - 1024) <= needle.TOLERANCE_TOKENS
-    assert 1 <= case["new_tokens"] <= quality.NEEDLE_MAX_NEW_TOKENS and case["prefill_s"] > 0
+    assert 1 <= case["new_tokens"] <= needle_gate.NEEDLE_MAX_NEW_TOKENS and case["prefill_s"] > 0
     assert r["automatic_choices"] == []
     assert json.loads(out.strip().splitlines()[-1])["fast"] is False
 
@@ -199,17 +202,17 @@ def test_needle_cli_floor_fails_a_random_model(capsys, tmp_path, tiny_model):
                      "--model", tiny_model, "--report-dir", tmp_path)
     assert code == 1
     (r,) = load(tmp_path)["results"]
-    assert r["status"] == "fail" and r["base_toggles"] == list(quality.FAST_TOGGLES)
+    assert r["status"] == "fail" and r["base_toggles"] == list(needle_gate.FAST_TOGGLES)
 
 
 def test_fast_is_chosen_automatically_above_16k_with_a_reason():
-    assert quality.choose_fast(16384, False) == (False, None)
-    assert quality.choose_fast(4096, True) == (True, None)
-    fast, reason = quality.choose_fast(108000, False)
+    assert needle_gate.choose_fast(16384, False) == (False, None)
+    assert needle_gate.choose_fast(4096, True) == (True, None)
+    fast, reason = needle_gate.choose_fast(108000, False)
     assert fast and "kda_chunked + mla_sdpa" in reason and "108000" in reason
 
 
-def _oracle(model, tokenizer, prompt, max_new_tokens=quality.NEEDLE_MAX_NEW_TOKENS):
+def _oracle(model, tokenizer, prompt, max_new_tokens=needle_gate.NEEDLE_MAX_NEW_TOKENS):
     """Reads the value out of the prompt; loses it whenever the KDA scan is swapped."""
     value = re.search(r"magic numbers for [a-z-]+ is: ([0-9]{7})", prompt).group(1)
     text = value if ops.OPS.kda_prefill is None else "0000000"
@@ -219,9 +222,9 @@ def _oracle(model, tokenizer, prompt, max_new_tokens=quality.NEEDLE_MAX_NEW_TOKE
 @pytest.mark.parametrize("toggle, verdict", [("mla_sdpa", True), ("kda_state_bf16", False)],
                          ids=["recall-kept", "recall-lost"])
 def test_needle_gate_fails_a_cell_the_candidate_forgets(monkeypatch, toggle, verdict):
-    monkeypatch.setattr(quality, "needle_generate", _oracle)
+    monkeypatch.setattr(needle_gate, "needle_generate", _oracle)
     cases = needle.grid([600], [0.2, 0.8], seed=3)
-    run = quality.needle_gate(None, None, cases, toggle=toggle)
+    run = needle_gate.needle_gate(None, None, cases, toggle=toggle)
     assert run.passed is verdict
     assert [r["accuracy"][0]["value"] for r in run.results] == [1.0, 1.0]
     assert {r["status"] for r in run.results} == {"pass" if verdict else "fail"}
@@ -229,7 +232,7 @@ def test_needle_gate_fails_a_cell_the_candidate_forgets(monkeypatch, toggle, ver
 
 def _oracle_found(found_names):
     """Recalls exactly the named cases on the reference path and the others under any toggle."""
-    def generate(model, tokenizer, prompt, max_new_tokens=quality.NEEDLE_MAX_NEW_TOKENS):
+    def generate(model, tokenizer, prompt, max_new_tokens=needle_gate.NEEDLE_MAX_NEW_TOKENS):
         value = re.search(r"magic numbers for [a-z-]+ is: ([0-9]{7})", prompt).group(1)
         name = next(c.name for c in _ORACLE_CASES if c.prompt == prompt)
         found = (name in found_names) == (ops.OPS.kda_prefill is None)
@@ -243,32 +246,32 @@ _ORACLE_CASES = [c for s in (3, 4) for c in needle.grid([600], [0.5], seed=s)]  
 
 def test_needle_gate_pairs_cases_not_counts(monkeypatch):
     # reference recalls sample s3 only, kda_chunked recalls s4 only: 1/2 on both sides, one needle lost
-    monkeypatch.setattr(quality, "needle_generate", _oracle_found({_ORACLE_CASES[0].name}))
-    (r,) = quality.needle_gate(None, None, _ORACLE_CASES, toggle="kda_chunked").results
+    monkeypatch.setattr(needle_gate, "needle_generate", _oracle_found({_ORACLE_CASES[0].name}))
+    (r,) = needle_gate.needle_gate(None, None, _ORACLE_CASES, toggle="kda_chunked").results
     assert [a["value"] for a in r["accuracy"]] == [0.5, 0.5]
     assert r["status"] == "fail" and f"missed 1 needle(s) the reference recalled ({_ORACLE_CASES[0].name})" in r["reason"]
 
 
 def test_needle_cell_the_reference_cannot_recall_is_inconclusive(monkeypatch):
-    monkeypatch.setattr(quality, "needle_generate", _oracle_found(set()))   # reference 0/2, candidate 2/2
-    run = quality.needle_gate(None, None, _ORACLE_CASES, toggle="kda_chunked")
+    monkeypatch.setattr(needle_gate, "needle_generate", _oracle_found(set()))   # reference 0/2, candidate 2/2
+    run = needle_gate.needle_gate(None, None, _ORACLE_CASES, toggle="kda_chunked")
     (r,) = run.results
     assert r["status"] == "inconclusive" and not run.passed
     assert r["reason"].startswith("inconclusive: the reference recalled 0/2 needles in this cell")
     # negative control: the same cell with the reference recalling both passes
-    monkeypatch.setattr(quality, "needle_generate", _oracle_found({c.name for c in _ORACLE_CASES}))
-    assert quality.needle_gate(None, None, _ORACLE_CASES, toggle="mla_sdpa").results[0]["status"] == "pass"
+    monkeypatch.setattr(needle_gate, "needle_generate", _oracle_found({c.name for c in _ORACLE_CASES}))
+    assert needle_gate.needle_gate(None, None, _ORACLE_CASES, toggle="mla_sdpa").results[0]["status"] == "pass"
 
 
 def test_needle_cell_of_a_toggle_in_the_fast_base_is_a_skip(monkeypatch):
     # above 16K (or with fast) both sides run kda_chunked + mla_sdpa: for those two the cell
     # compares a path with itself, which used to pass
-    monkeypatch.setattr(quality, "needle_generate", _oracle_found(set()))   # fast base: both recall all
-    (r,) = quality.needle_gate(None, None, _ORACLE_CASES, toggle="kda_chunked", fast=True).results
+    monkeypatch.setattr(needle_gate, "needle_generate", _oracle_found(set()))   # fast base: both recall all
+    (r,) = needle_gate.needle_gate(None, None, _ORACLE_CASES, toggle="kda_chunked", fast=True).results
     assert r["status"] == "skip" and "compares the path with itself" in r["reason"]
     # negative control: a toggle outside the fast base is judged
-    (r,) = quality.needle_gate(None, None, _ORACLE_CASES, toggle="mla_absorbed", fast=True).results
-    assert r["status"] == "pass" and r["base_toggles"] == list(quality.FAST_TOGGLES)
+    (r,) = needle_gate.needle_gate(None, None, _ORACLE_CASES, toggle="mla_absorbed", fast=True).results
+    assert r["status"] == "pass" and r["base_toggles"] == list(needle_gate.FAST_TOGGLES)
 
 
 @pytest.mark.slow
@@ -277,7 +280,7 @@ def test_needle_108k_cell_runs_on_the_cpu(capsys, tmp_path):
     assert code == 0
     assert "note:" in err and "kda_chunked + mla_sdpa" in err, "the automatic fast choice must be announced"
     (r,) = load(tmp_path)["results"]
-    assert r["base_toggles"] == list(quality.FAST_TOGGLES) and r["automatic_choices"][0]["reason"]
+    assert r["base_toggles"] == list(needle_gate.FAST_TOGGLES) and r["automatic_choices"][0]["reason"]
     assert abs(r["reference_cases"][0]["prompt_tokens"] - 108000) <= needle.TOLERANCE_TOKENS
 
 
@@ -286,7 +289,7 @@ def test_needle_108k_cell_runs_on_the_cpu(capsys, tmp_path):
 # ---------------------------------------------------------------------------
 
 def test_kvv_cli_passes_against_k3verify_serve(capsys, tmp_path, tiny_model):
-    from k3verify.serve import ServerThread, build_embedded_app
+    from k3verify.serving.lifecycle import ServerThread, build_embedded_app
 
     with ServerThread(build_embedded_app(tiny_model)) as server:
         code, out, _ = cli(capsys, "kvv", "--base-url", server.base_url, "--max-tokens", 4,
@@ -301,7 +304,7 @@ def test_kvv_cli_passes_against_k3verify_serve(capsys, tmp_path, tiny_model):
 
 def test_kvv_cli_fails_a_server_without_the_contract(capsys, tmp_path, tiny_model):
     # negative control: the same server with K3's request rules off must fail the reject checks
-    from k3verify.serve import ServerThread, build_embedded_app
+    from k3verify.serving.lifecycle import ServerThread, build_embedded_app
 
     with ServerThread(build_embedded_app(tiny_model, enforce_contract=False)) as server:
         code, _, _ = cli(capsys, "kvv", "--base-url", server.base_url, "--only", "params.reject",
@@ -351,7 +354,7 @@ def test_serve_cli_rejects_a_bad_port(capsys):
 
 @pytest.mark.parametrize("argv, match", [
     (["gsm8k", "--toggle", "kda_chunkd"], r"unknown toggle 'kda_chunkd'; did you mean 'kda_chunked'"),
-    (["gsm8k", "--limit", "-3"], r"--limit must be a positive integer, got -3"),
+    (["gsm8k", "--limit", "-3"], r"--limit must be an integer >= 1 \(questions\), got -3"),
     (["gsm8k", "--base-url", "http://127.0.0.1:9/v1", "--toggle", "kda_chunked"], r"cannot be combined"),
     (["gsm8k", "--data-dir", "/nonexistent/gsm8k"], r"--data-dir must be a folder"),
     (["needle", "--lengths", "4096,abc"], r"--lengths must be comma-separated token counts"),

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from k3verify.compare import compare_logits, compare_tensors
+from k3verify.compare.tensors import compare_logits, compare_tensors
 from k3verify.errors import UsageError
 from k3verify.report import (SCHEMA_VERSION, build_report, load_report, new_run_id, render_html, render_junit,
                              render_markdown, validate_report, write_report)
@@ -61,7 +61,7 @@ def test_hand_built_report_validates_and_summary_counts():
     validate_report(report)
     assert report["schema_version"] == SCHEMA_VERSION == 1
     assert report["summary"] == {"passed": 1, "failed": 1, "skipped": 1, "errors": 0, "inconclusive": 0,
-                                 "verdict": "fail"}
+                                 "not_exercised": 0, "verdict": "fail"}
 
 
 def test_validate_rejects_missing_summary():
@@ -74,7 +74,7 @@ def test_validate_rejects_missing_summary():
 def test_validate_rejects_unknown_status():
     report = _report()
     report["results"][0]["status"] = "maybe"
-    expected = r"results\[0\]\.status: expected one of pass, fail, skip, error, inconclusive, got 'maybe'"
+    expected = r"results\[0\]\.status: expected one of pass, fail, skip, error, inconclusive, not_exercised, got 'maybe'"
     with pytest.raises(ValueError, match=expected):
         validate_report(report)
 
@@ -114,7 +114,7 @@ def test_verdict_passes_only_without_failures_or_errors():
 
 def _inconclusive(**over) -> dict:
     """A gsm8k result at n=2 with zero discordance, as the gate writes it."""
-    from k3verify.stats import paired_from_counts
+    from k3verify.quality.stats import paired_from_counts
 
     paired = paired_from_counts(2, 0, 0, 0).to_dict()
     return _result(toggle="kda_chunked", contract="approx(max_kl=0.001)", check="gsm8k/strict-match",
@@ -125,7 +125,7 @@ def _inconclusive(**over) -> dict:
 def test_inconclusive_round_trips_through_every_view(tmp_path):
     report = build_report("r-inc", "k3verify gsm8k --toggle kda_chunked", {}, [_result(), _inconclusive()])
     assert report["summary"] == {"passed": 1, "failed": 0, "skipped": 0, "errors": 0, "inconclusive": 1,
-                                 "verdict": "inconclusive"}
+                                 "not_exercised": 0, "verdict": "inconclusive"}
     paths = write_report(tmp_path, report)
     assert load_report(tmp_path) == json.loads(json.dumps(report))
     reason = "inconclusive: n=2 cannot resolve a margin of 1 point; need n >= 268"
@@ -171,9 +171,54 @@ def test_validate_rejects_an_inconclusive_called_a_pass():
         validate_report(report)
 
 
+def test_not_exercised_is_never_a_pass_in_any_view(tmp_path):
+    """A check whose toggle's code path never ran: counted apart, never as a pass; like a skip it
+    leaves the run's verdict alone; JUnit shows it skipped with the reason."""
+    from k3verify.verdict.result import Result, Subject
+
+    row = Result.not_exercised(Subject("prefix_cache"), "tokens", "no prefix hit fired on single",
+                               scenario="single").to_dict()
+    report = build_report("r-nx", "k3verify diff --toggle prefix_cache", {}, [_result(), row])
+    assert report["summary"]["passed"] == 1 and report["summary"]["not_exercised"] == 1
+    assert report["summary"]["verdict"] == "pass"
+    paths = write_report(tmp_path, report)
+    md = paths["md"].read_text()
+    assert "| *not exercised* |" in md and "## Not exercised (not a pass" in md and "no prefix hit fired" in md
+    assert "1 not exercised" in md
+    assert "<h2>Not exercised (not a pass)</h2>" in paths["html"].read_text()
+    root = ET.parse(paths["junit"]).getroot()
+    assert (root.get("tests"), root.get("skipped"), root.get("failures")) == ("2", "1", "0")
+    skipped = root.find("testsuite[@name='prefix_cache']/testcase/skipped")
+    assert skipped.get("message") == "not exercised: no prefix hit fired on single"
+    assert skipped.get("type") == "NotExercised"
+    # negative control: the same row called a pass fails validation of the summary
+    report["summary"]["passed"] = 2
+    with pytest.raises(ValueError, match=r"summary.passed: results give 1, summary says 2"):
+        validate_report(report)
+
+
+def test_the_schema_reads_its_fields_and_statuses_from_the_result_type():
+    from k3verify.report import schema
+    from k3verify.verdict.result import STATUSES, Result, schema_fields
+
+    assert schema.STATUSES == STATUSES and "not_exercised" in STATUSES
+    assert set(schema._RESULT_FIELDS) == set(schema_fields()) >= {"toggle", "status", "reason", "findings"}
+    with pytest.raises(Exception, match=r"must state its reason"):
+        Result.failed(Subject_of("x"), "logits", "")
+    with pytest.raises(Exception, match=r"result status: expected one of pass, fail, skip, error, inconclusive, "
+                                        r"not_exercised, got 'ok'"):
+        Result.make("ok", Subject_of("x"), "logits", "r")
+
+
+def Subject_of(name):
+    from k3verify.verdict.result import Subject
+    return Subject(name)
+
+
 def test_version_1_reports_from_before_inconclusive_still_load(tmp_path):
     old = _report()
     del old["summary"]["inconclusive"]
+    del old["summary"]["not_exercised"]
     validate_report(old)                                   # absent count reads as 0
     old["results"].append(_inconclusive())
     old["summary"]["verdict"] = "fail"
@@ -235,7 +280,7 @@ def test_html_is_self_contained_with_plots():
 
 
 def test_html_plots_accuracy_with_intervals():
-    from k3verify.stats import paired_from_counts
+    from k3verify.quality.stats import paired_from_counts
 
     paired = paired_from_counts(n=200, ref_correct=150, b=6, c=3).to_dict()
     report = build_report("r", "c", {}, [_result(check="gsm8k", accuracy=paired),

@@ -15,9 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from k3verify import cli, run_all, suites
+from k3verify import cli
 from k3verify.report import load_report
-from k3verify.signoff import render_signoff
+from k3verify.suites import run_all
+from k3verify.suites import suite as suites
+from k3verify.suites import verdicts
+from k3verify.suites.signoff import render_signoff
 from optimized_stack import load_model
 from optimized_stack import toggles as registry
 from optimized_stack.model import ops
@@ -26,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _diff_suite(tmp_path: Path, toggles: list[str], name: str = "tiny.toml") -> Path:
-    body = "version = 1\ndescription = \"tiny\"\n" + "".join(
+    body = "version = 2\ndescription = \"tiny\"\n" + "".join(
         f'[[check]]\nname = "d-{t}"\nkind = "diff"\ntoggles = ["{t}"]\nscenarios = ["single"]\nscale = 0.25\n'
         for t in toggles)
     path = tmp_path / name
@@ -69,7 +72,7 @@ def test_resume_after_interruption_runs_each_unit_exactly_once(tmp_path, capsys)
     plan = run_all.new_plan(suite, None, model, "test-resume", "k3verify all --suite tiny")
 
     def die(unit):
-        raise _Killed(unit["id"])                  # the process "dies" right after the first unit's file
+        raise _Killed(unit.id)                  # the process "dies" right after the first unit's file
 
     with pytest.raises(_Killed):
         run_all.execute(plan, model, run_dir, after_unit=die)
@@ -133,13 +136,13 @@ def test_approx_toggle_counts_only_when_its_quality_gates_pass():
     approx = next(t for t in registry.all_toggles("optimization") if t.contract.kind == "approx" and t.contract.quality)
     drift = _row(approx.name, "drift_budget", "pass")
     gates_skipped = [_row(approx.name, f"{g}", "skip", "not available in this build", gate=g) for g in approx.contract.quality]
-    (v,) = run_all.toggle_verdicts([drift, *gates_skipped])
+    (v,) = verdicts.toggle_verdicts([drift, *gates_skipped])
     assert v["verdict"] == "skipped" and "quality gates did not pass" in v["reason"] and "not available" in v["reason"]
     gates_passed = [_row(approx.name, f"{g}", "pass", gate=g) for g in approx.contract.quality]
     bench = _row(approx.name, "bench", "pass", speedup={"ratio": 1.5, "ci": [1.4, 1.6], "counted": True})
-    (v,) = run_all.toggle_verdicts([drift, *gates_passed, bench])
+    (v,) = verdicts.toggle_verdicts([drift, *gates_passed, bench])
     assert v["verdict"] == "counted" and v["speedup"]["ratio"] == 1.5
-    (v,) = run_all.toggle_verdicts([drift, _row(approx.name, "gsm8k", "fail", "worse", gate="gsm8k")])
+    (v,) = verdicts.toggle_verdicts([drift, _row(approx.name, "gsm8k", "fail", "worse", gate="gsm8k")])
     assert v["verdict"] == "rejected" and "gsm8k failed" in v["reason"]
 
 
@@ -157,26 +160,26 @@ def test_an_inconclusive_or_smoke_quality_gate_is_not_counted():
     needle_ok = _row("kda_chunked", "needle", "pass", gate="needle")
     bench = _row("kda_chunked", "bench", "pass", speedup={"ratio": 1.5, "ci": [1.4, 1.6], "counted": True})
     # negative control first: the same rows with gsm8k passing count, with the speedup
-    (v,) = run_all.toggle_verdicts([drift, _gsm8k_row("pass", "pass: non-inferior"), needle_ok, bench])
+    (v,) = verdicts.toggle_verdicts([drift, _gsm8k_row("pass", "pass: non-inferior"), needle_ok, bench])
     assert v["verdict"] == "counted" and v["speedup"]["counted"] is True
-    (v,) = run_all.toggle_verdicts([drift, _gsm8k_row("inconclusive"), needle_ok, bench])
+    (v,) = verdicts.toggle_verdicts([drift, _gsm8k_row("inconclusive"), needle_ok, bench])
     assert v["verdict"] == "skipped" and v["speedup"] is None and v["checks"]["inconclusive"] == 1
     assert v["reason"].endswith(f"quality gates did not pass here: gsm8k inconclusive ({N2})")
     for status in ("inconclusive", "pass"):            # a smoke test never proves the gate, even when it passes
-        (v,) = run_all.toggle_verdicts([drift, _gsm8k_row(status, role="smoke"), needle_ok, bench])
+        (v,) = verdicts.toggle_verdicts([drift, _gsm8k_row(status, role="smoke"), needle_ok, bench])
         assert v["verdict"] == "skipped" and v["speedup"] is None
         assert "gsm8k ran only as a smoke test, which counts toward no verdict" in v["reason"]
-    (v,) = run_all.toggle_verdicts([drift, _gsm8k_row("fail", "fail: the candidate is worse", role="smoke"), needle_ok])
+    (v,) = verdicts.toggle_verdicts([drift, _gsm8k_row("fail", "fail: the candidate is worse", role="smoke"), needle_ok])
     assert v["verdict"] == "rejected" and "gsm8k/strict-match failed" in v["reason"], "a smoke failure still rejects"
 
 
 @pytest.mark.parametrize("smoke, code", [pytest.param(False, 1, id="gate-inconclusive-exits-1"),
                                          pytest.param(True, 0, id="smoke-exits-0", marks=pytest.mark.slow)])
 def test_all_with_a_gsm8k_gate_that_cannot_decide(tmp_path, capsys, smoke, code):
-    args = '"--num-fewshot", "0", "--max-new-tokens", "4"' + (', "--smoke"' if smoke else "")
-    body = ('version = 1\ndescription = "undecided"\n'
+    keys = "num_fewshot = 0\nmax_new_tokens = 4\n" + ("smoke = true\n" if smoke else "")
+    body = ('version = 2\ndescription = "undecided"\n'
             '[[check]]\nkind = "drift"\ntoggles = ["kda_chunked"]\nscenarios = ["single"]\nscale = 0.25\n'
-            f'[[check]]\nkind = "gsm8k"\ntoggles = ["kda_chunked"]\nlimit = 2\nargs = [{args}]\n')
+            f'[[check]]\nkind = "gsm8k"\ntoggles = ["kda_chunked"]\nlimit = 2\n{keys}')
     (tmp_path / "u.toml").write_text(body)
     run_dir = tmp_path / "run"
     assert cli.main(["all", "--suite", str(tmp_path / "u.toml"), "--report-dir", str(run_dir)]) == code
@@ -194,7 +197,7 @@ def test_a_check_with_an_inconclusive_result_is_inconclusive():
     plan = {"suite": {"checks": [{"index": 1, "name": "gsm8k-synth", "kind": "gsm8k"}]}}
     rows = [{**_gsm8k_row("inconclusive"), "suite_check": "gsm8k-synth"},
             {**_gsm8k_row("pass", "pass: non-inferior"), "suite_check": "gsm8k-synth"}]
-    (c,) = run_all.check_statuses(plan, rows)
+    (c,) = verdicts.check_statuses(plan, rows)
     assert c["status"] == "inconclusive" and c["counts"]["inconclusive"] == 1 and c["reason"].startswith(N2)
 
 
@@ -252,7 +255,7 @@ def test_kill_9_then_resume_finishes_with_a_valid_report(tmp_path):
 def test_quality_gate_of_a_cuda_toggle_on_cpu_is_a_skip_with_the_reason(tmp_path):
     """A suite's `all-approx` gates include CUDA-only kernels: on a CPU run they must skip
     with the reason (they errored on fla's import before), while a CPU toggle's gate runs."""
-    body = ('version = 1\ndescription = "gates"\n[[check]]\nkind = "needle"\n'
+    body = ('version = 2\ndescription = "gates"\n[[check]]\nkind = "needle"\n'
             'toggles = ["kda_fla_chunk", "mla_sdpa"]\nlengths = [512]\ndepths = [0.5]\n')
     (tmp_path / "g.toml").write_text(body)
     run_dir = tmp_path / "run"
@@ -264,43 +267,56 @@ def test_quality_gate_of_a_cuda_toggle_on_cpu_is_a_skip_with_the_reason(tmp_path
 
 
 @pytest.fixture
-def fake_gate_with_leftover(tmp_path, monkeypatch):
-    """A needle unit whose command is a fake that writes a report with a new run id, and the
-    leftover report of an earlier, interrupted attempt in its gates/<unit>/ directory."""
-    import types
+def gate_unit_with_leftover(tmp_path):
+    """A needle unit (a gate faked to pass at once) and the report an earlier, interrupted attempt
+    of the same run left in its gates/<unit>/ directory before its unit file was written."""
+    from k3verify.report import build_report, write_report
+    from k3verify.verdict.result import Result, Subject
 
-    from k3verify import verify
+    suite = suites.parse_suite('version = 2\n[[check]]\nkind = "needle"\nlengths = [512]\n')
+    (unit,) = suites.expand(suite)
+    plan = {"run_id": "r-1", "command": "k3verify all", "model": None, "units": [unit.to_dict()]}
+    stale = tmp_path / "gates" / unit.id
+    write_report(stale, build_report(f"r-1-{unit.id}", "k3verify all  # earlier attempt", {}, []))
+    fake = [Result.passed(Subject("reference"), "needle", "fake gate", gate="needle")]
+    return plan, unit, stale, fake
+
+
+def test_a_gate_rerun_on_resume_replaces_its_own_leftover_report(gate_unit_with_leftover, tmp_path, monkeypatch):
+    """The gate report's run id is derived from the run's and the unit's, so the rerun of an
+    interrupted unit writes the same run's report over its own leftover."""
+    plan, unit, stale, fake = gate_unit_with_leftover
+    monkeypatch.setattr(run_all.kinds, "run", lambda u, ctx: fake)
+    results, ran = run_all.execute(plan, None, tmp_path)
+    assert ran == 1 and [(r["status"], r["reason"]) for r in results] == [("pass", "fake gate")]
+    assert json.loads((stale / "report.json").read_text())["command"] == "k3verify all  # unit " + unit.id
+
+
+def test_negative_control_another_runs_leftover_blocks_the_gate_report(gate_unit_with_leftover, tmp_path,
+                                                                      monkeypatch):
+    """A report of another run in the unit's gates/ directory is never overwritten."""
+    from k3verify.errors import UsageError
     from k3verify.report import build_report, write_report
 
-    def run(args):
-        run_id, _ = verify.default_report_dir("needle")
-        write_report(args.report_dir, build_report(run_id, "k3verify needle", {}, [
-            run_all.result(None, "needle", "pass", "fake gate")]))
-        return 0
-
-    unit = suites.expand(suites.parse_suite('version = 1\n[[check]]\nkind = "needle"\nlengths = [512]\n'))[0]
-    fake = types.ModuleType("k3verify.commands.needle")
-    fake.add_arguments = lambda p: [p.add_argument(f) for f in ("--report-dir", "--toggle", "--lengths", "--depths",
-                                                                "--model")]
-    fake.run = run
-    monkeypatch.setitem(sys.modules, "k3verify.commands.needle", fake)
-    stale = tmp_path / "gates" / unit["id"]
-    write_report(stale, build_report("earlier-attempt", "k3verify needle", {}, []))
-    return unit, run_all.Context(None, None, tmp_path, lambda m: None), stale
+    plan, unit, stale, fake = gate_unit_with_leftover
+    write_report(tmp_path / "other", build_report("another-run", "k3verify needle", {}, []))
+    (stale / "report.json").write_text((tmp_path / "other" / "report.json").read_text())
+    monkeypatch.setattr(run_all.kinds, "run", lambda u, ctx: fake)
+    with pytest.raises(UsageError, match=r"already holds run another-run"):
+        run_all.execute(plan, None, tmp_path)
 
 
-def test_a_gate_rerun_on_resume_replaces_its_own_leftover_report(fake_gate_with_leftover):
-    """An interrupted gate unit leaves gates/<unit>/report.json (its own run id) but no unit file;
-    on resume it runs again with a new id. That leftover is this run's, so it is replaced."""
-    unit, ctx, stale = fake_gate_with_leftover
-    (r,) = run_all.run_unit(unit, ctx)
-    assert (r["status"], r["reason"]) == ("pass", "fake gate")
-    assert json.loads((stale / "report.json").read_text())["run_id"] != "earlier-attempt"
+def test_a_unit_that_crashes_is_an_error_result_and_the_run_goes_on(tmp_path, monkeypatch):
+    suite = suites.parse_suite('version = 2\n[[check]]\nkind = "golden"\n[[check]]\nkind = "golden"\n')
+    plan = {"run_id": "r-2", "command": "k3verify all", "model": None,
+            "units": [u.to_dict() for u in suites.expand(suite)]}
 
-
-def test_negative_control_a_kept_leftover_blocks_the_gate(fake_gate_with_leftover, monkeypatch):
-    """Without clearing it, the ownership rule refuses the rerun: the clearing is what makes resume work."""
-    unit, ctx, stale = fake_gate_with_leftover
-    monkeypatch.setattr(run_all.shutil, "rmtree", lambda path: None)
-    (r,) = run_all.run_unit(unit, ctx)
-    assert r["status"] == "error" and "already holds run earlier-attempt" in r["reason"]
+    def crash_first(unit, ctx):
+        if unit.id.startswith("001"):
+            raise RuntimeError("boom")
+        from k3verify.verdict.result import REFERENCE, Result
+        return [Result.passed(REFERENCE, "golden", "ok")]
+    monkeypatch.setattr(run_all.kinds, "run", crash_first)
+    results, ran = run_all.execute(plan, None, tmp_path)
+    assert ran == 2 and [r["status"] for r in results] == ["error", "pass"]
+    assert results[0]["reason"] == "RuntimeError: boom" and "Traceback" in results[0]["traceback"]

@@ -12,11 +12,12 @@ import torch
 pytest.importorskip("fastapi")
 import httpx  # noqa: E402
 
-from k3verify.backends.base import (ProgramConstraint, SamplingParams, json_object_program,  # noqa: E402
-                                    tool_call_program)
-from k3verify.backends.embedded import EmbeddedBackend, decode, pick_token  # noqa: E402
-from k3verify.evals.kvv import schema_errors  # noqa: E402
-from k3verify.serve import ServerThread, create_app  # noqa: E402
+from k3verify.quality.evals.json_schema import schema_errors  # noqa: E402
+from k3verify.serving.app import create_app  # noqa: E402
+from k3verify.serving.backends.base import (CompletionParams, ProgramConstraint, json_object_program,  # noqa: E402
+                                            tool_call_program)
+from k3verify.serving.backends.embedded import EmbeddedBackend, decode, pick_token  # noqa: E402
+from k3verify.serving.lifecycle import ServerThread  # noqa: E402
 from optimized_stack import load_model  # noqa: E402
 from optimized_stack.errors import K3Error  # noqa: E402
 from optimized_stack.tokenizer import ByteTokenizer  # noqa: E402
@@ -50,16 +51,16 @@ def client(model):
 ], ids=["max_tokens-0", "temperature-neg", "top_p-0", "seed-str", "stop-neg", "logprobs-21"])
 def test_sampling_params_refuse_bad_values(kwargs, match):
     with pytest.raises(K3Error, match=match):
-        SamplingParams(**kwargs)
+        CompletionParams(**kwargs)
 
 
 def test_pick_token_greedy_mask_and_seeded_sampling():
     logits = torch.tensor([0.0, 3.0, 1.0, 2.0])
-    assert pick_token(logits, SamplingParams(), None, None).token_id == 1
-    assert pick_token(logits, SamplingParams(), [0, 2, 3], None).token_id == 3, "greedy must stay inside the mask"
-    tiny_p = SamplingParams(temperature=1.0, top_p=1e-6)
+    assert pick_token(logits, CompletionParams(), None, None).token_id == 1
+    assert pick_token(logits, CompletionParams(), [0, 2, 3], None).token_id == 3, "greedy must stay inside the mask"
+    tiny_p = CompletionParams(temperature=1.0, top_p=1e-6)
     assert {pick_token(logits, tiny_p, None, torch.Generator().manual_seed(s)).token_id for s in range(20)} == {1}
-    hot = SamplingParams(temperature=1.0, logprobs=2)
+    hot = CompletionParams(temperature=1.0, logprobs=2)
     draws = [pick_token(logits, hot, None, torch.Generator().manual_seed(s)).token_id for s in range(40)]
     again = [pick_token(logits, hot, None, torch.Generator().manual_seed(s)).token_id for s in range(40)]
     assert draws == again and len(set(draws)) > 1, "seeded sampling must repeat and must not be greedy"
@@ -70,7 +71,7 @@ def test_pick_token_greedy_mask_and_seeded_sampling():
 
 def test_incremental_decode_matches_full_recompute(model):
     prompt = TOK.encode("The cat")
-    events = list(decode(model, prompt, SamplingParams(max_tokens=4)))
+    events = list(decode(model, prompt, CompletionParams(max_tokens=4)))
     ids = list(prompt)
     for ev in events:
         full = model.logits(torch.tensor(ids))[-1]
@@ -86,9 +87,9 @@ def test_backend_uses_the_swappable_decode_fn_and_checks_ids(model):
         yield from decode(model_, prompt_ids, params, constraint)
 
     backend = EmbeddedBackend(model, TOK, decode_fn=fake)
-    assert len(list(backend.generate([65, 66], SamplingParams(max_tokens=2)))) == 2 and seen == [[65, 66]]
+    assert len(list(backend.generate([65, 66], CompletionParams(max_tokens=2)))) == 2 and seen == [[65, 66]]
     with pytest.raises(K3Error, match=r"prompt token ids must be in \[0, 272\), got \[999\]"):
-        list(backend.generate([999], SamplingParams()))
+        list(backend.generate([999], CompletionParams()))
 
 
 # ---- constrained output ----------------------------------------------------------------------------
@@ -247,6 +248,6 @@ def test_models_lists_the_served_model(client):
 
 
 def test_serve_main_refuses_a_bad_port_before_loading():
-    from k3verify.serve import serve_main
+    from k3verify.serving.lifecycle import serve_main
     with pytest.raises(K3Error, match=r"port must be an integer in \[0, 65535\], got 70000"):
         serve_main(port=70000)

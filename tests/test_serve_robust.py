@@ -20,9 +20,10 @@ import pytest
 pytest.importorskip("fastapi")
 import httpx  # noqa: E402
 
-from k3verify.backends.base import TokenEvent  # noqa: E402
-from k3verify.serve import ServerThread, create_app  # noqa: E402
-from k3verify.serve_validation import ServeLimits  # noqa: E402
+from k3verify.serving.app import create_app  # noqa: E402
+from k3verify.serving.backends.base import TokenEvent  # noqa: E402
+from k3verify.serving.lifecycle import ServerThread  # noqa: E402
+from k3verify.serving.validation import ServeLimits  # noqa: E402
 from optimized_stack.tokenizer import ByteTokenizer  # noqa: E402
 
 TOK = ByteTokenizer()
@@ -294,8 +295,8 @@ def test_drain_refuses_new_work_then_stop_cancels_what_runs():
 def test_embedded_backend_refuses_a_second_open_generation_instead_of_waiting():
     from types import SimpleNamespace
 
-    from k3verify.backends.base import SamplingParams
-    from k3verify.backends.embedded import EmbeddedBackend
+    from k3verify.serving.backends.base import CompletionParams
+    from k3verify.serving.backends.embedded import EmbeddedBackend
     from optimized_stack.errors import K3Error
 
     stub = SimpleNamespace(config=SimpleNamespace(vocab_size=TOK.vocab_size), new_state=None, forward=None)
@@ -306,12 +307,12 @@ def test_embedded_backend_refuses_a_second_open_generation_instead_of_waiting():
             yield TokenEvent(token_id=65, logprob=-0.1)
 
     backend = EmbeddedBackend(stub, TOK, decode_fn=tokens)
-    first = backend.generate([65], SamplingParams(max_tokens=5))
+    first = backend.generate([65], CompletionParams(max_tokens=5))
     next(first)
     with pytest.raises(K3Error, match="runs one generation at a time and one is still open"):
-        next(backend.generate([65], SamplingParams(max_tokens=1)))
+        next(backend.generate([65], CompletionParams(max_tokens=1)))
     first.close()  # cancel: the next generation may open at once
-    assert len(list(backend.generate([65], SamplingParams(max_tokens=2)))) == 2
+    assert len(list(backend.generate([65], CompletionParams(max_tokens=2)))) == 2
 
 
 # ---- configuration --------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Speculative decoding (optimized_stack/engine/spec.py): both exact toggles judged by the
-verifier's own gate (k3verify.gate.check_toggle: tokens, every logits row, every KDA state
+verifier's own gate (k3verify.verdict.gate.check_toggle: tokens, every logits row, every KDA state
 point, MLA rows) on spec_repetitive and spec_random, at low acceptance (the prompt-lookup
 drafter) and high acceptance (an oracle drafter that proposes the reference continuation
 with deterministic corruptions, so full, partial and reject-first verifications all
@@ -16,8 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3verify import workloads
-from k3verify.gate import ReferenceRuns, check_toggle
+from k3verify.run.runner import Runner
+from k3verify.scenarios import workloads
+from k3verify.verdict.gate import check_toggle
 from optimized_stack import K3Error, toggles
 from optimized_stack.engine import Engine, EngineOptions, SamplingParams
 from optimized_stack.engine import engine as engine_module
@@ -26,6 +27,7 @@ from optimized_stack.engine.spec import NgramDrafter, Speculator, kda_state_byte
 from optimized_stack.kernels.kda.chunked import kda_chunked
 from optimized_stack.model.kda import kda_recurrent, kda_recurrent_trace, kda_replay
 from optimized_stack.model.ops import l2_norm
+
 from model_fixtures import model  # noqa: F401  (the module-scoped k3-mini fixture)
 
 SPEC_TOGGLES = ["spec_copy_states", "spec_replay_ssm"]
@@ -40,7 +42,7 @@ MUTANT_CHECK = {                      # mutant -> (scenario, the check asserted 
 
 @pytest.fixture(scope="module")
 def refs(model):
-    return ReferenceRuns(model)
+    return Runner(model)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +69,7 @@ def _stats(made: list[Speculator]):
 
 
 def _judge(model, name, sc, refs):
-    results = check_toggle(model, name, sc, references=refs, localize_failures=False)
+    results = check_toggle(model, name, sc, runner=refs, localize_failures=False)
     return {r.check: r for r in results}
 
 
@@ -109,7 +111,7 @@ class OracleDrafter(NgramDrafter):
 @pytest.mark.parametrize("name", SPEC_TOGGLES)
 def test_toggle_bitwise_at_high_acceptance(model, refs, scenarios, speculators, monkeypatch, name):
     sc = scenarios["spec_repetitive"]
-    ref = refs.get(sc)
+    ref = refs.reference(sc)
     seqs = [list(r.prompt_ids) + ref.requests[r.request_id].tokens for r in sc.requests]
     monkeypatch.setattr(OracleDrafter, "sequences", seqs)
     monkeypatch.setattr(spec_module, "NgramDrafter", OracleDrafter)
@@ -124,7 +126,7 @@ def test_toggle_bitwise_at_high_acceptance(model, refs, scenarios, speculators, 
 def test_spec_run_takes_fewer_steps_at_high_acceptance(model, refs, scenarios, monkeypatch):
     """The point of it: accepted drafts turn into fewer engine steps for the same tokens."""
     sc = scenarios["spec_repetitive"]
-    ref = refs.get(sc)
+    ref = refs.reference(sc)
     monkeypatch.setattr(OracleDrafter, "sequences",
                         [list(r.prompt_ids) + ref.requests[r.request_id].tokens for r in sc.requests])
     monkeypatch.setattr(spec_module, "NgramDrafter", OracleDrafter)

@@ -1,4 +1,4 @@
-"""k3verify.stats: paired accuracy statistics against hand-computed tables, published worked
+"""k3verify.quality.stats: paired accuracy statistics against hand-computed tables, published worked
 examples, and an independent implementation of Tango's score bound."""
 
 import json
@@ -10,25 +10,10 @@ import pytest
 from scipy import optimize
 
 from k3verify.errors import UsageError
-from k3verify.stats import (
-    PairedResult,
-    binom_cdf,
-    mcnemar_exact_p,
-    mcnemar_p_worse,
-    n_for_power,
-    n_min_for_margin,
-    normal_cdf,
-    normal_ppf,
-    pair_outcomes,
-    paired_from_counts,
-    paired_mde,
-    paired_test,
-    tango_bounds,
-    tango_z,
-    trtllm_threshold_drop,
-    unpaired_mde,
-    wilson_interval,
-)
+from k3verify.quality.stats import (PairedResult, binom_cdf, mcnemar_exact_p, mcnemar_p_worse, n_for_power,
+                                    n_min_for_margin, normal_cdf, normal_ppf, pair_outcomes, paired_from_counts,
+                                    paired_mde, paired_test, tango_bounds, tango_z, trtllm_threshold_drop, unpaired_mde,
+                                    wilson_interval)
 
 Z95 = 1.6448536269514722
 Z975 = 1.959963984540054

@@ -11,11 +11,12 @@ import time
 import pytest
 import torch
 
-import k3verify.tp_runner  # noqa: F401  (registers the TP toggles)
-from k3verify import workloads
-from k3verify.compare import compare_logits
-from k3verify.gate import ReferenceRuns, check_toggle, compare_captures
-from k3verify.runner import run_scenario
+from k3verify.compare.captures import compare_captures
+from k3verify.compare.tensors import compare_logits
+from k3verify.run.runner import Runner
+from k3verify.run.sequential import run_scenario
+from k3verify.scenarios import workloads
+from k3verify.verdict.gate import check_toggle
 from optimized_stack import load_model
 from optimized_stack import toggles as registry
 from optimized_stack.errors import K3Error
@@ -39,7 +40,7 @@ def scenario():
 
 @pytest.fixture(scope="module")
 def refs2(model):
-    refs = ReferenceRuns(model, world_size=2)
+    refs = Runner(model, world_size=2)
     yield refs
     refs.close()
 
@@ -108,7 +109,7 @@ def test_tp_options_refuse_unknown_names():
 
 
 def test_tp_toggles_skip_at_world_size_1_with_a_reason(model, scenario):
-    res = check_toggle(model, "tp_dedup_router", scenario, references=ReferenceRuns(model))
+    res = check_toggle(model, "tp_dedup_router", scenario, runner=Runner(model))
     assert {r.status for r in res} == {"skip"}
     assert "world size 2, 4, 8, not 1" in res[0].reason
 
@@ -124,7 +125,7 @@ def test_registry_declares_tp_world_sizes_and_mutants():
 # ---- world size 2 on gloo ranks ------------------------------------------------------
 def test_tp2_runs_are_deterministic(refs2, scenario):
     """gloo's all-reduce at a fixed W sums in a fixed order: run to run, bit for bit."""
-    first = refs2.get(scenario)
+    first = refs2.reference(scenario)
     again = refs2.run(scenario, (), keep=True)
     verdicts = compare_captures(first, again, scenario.name)
     assert all(v["equal"] for v in verdicts.values()), {k: v["reason"] for k, v in verdicts.items()}
@@ -132,7 +133,7 @@ def test_tp2_runs_are_deterministic(refs2, scenario):
 
 @pytest.mark.parametrize("name", TOGGLES)
 def test_tp2_toggle_holds_its_contract(model, refs2, scenario, name):
-    res = check_toggle(model, name, scenario, references=refs2)
+    res = check_toggle(model, name, scenario, runner=refs2)
     assert res and all(r.status == "pass" for r in res), [(r.check, r.reason) for r in res]
     if name == "fused_allreduce_residual":
         # a two-term sum has one order: at W=2 the one-shot sum equals gloo's all-reduce
@@ -144,7 +145,7 @@ def test_tp2_toggle_holds_its_contract(model, refs2, scenario, name):
 @pytest.mark.parametrize("name", MUTANTS)
 def test_tp2_mutant_is_caught(model, refs2, scenario, name):
     mutant = registry.get(name)
-    res = check_toggle(model, name, scenario, references=refs2)
+    res = check_toggle(model, name, scenario, runner=refs2)
     failed = {r.check for r in res if r.status == "fail"}
     assert failed & set(mutant.caught_by), f"{name} not caught by {mutant.caught_by}: {[(r.check, r.reason) for r in res]}"
 
@@ -153,7 +154,7 @@ def test_tp2_drift_against_world_size_1_is_small(model, refs2, scenario):
     """TP changes reduction order (row-parallel sums, expert partials): an approx finding,
     reported, and bounded well below anything a structural bug produces."""
     ref1 = run_scenario(model, scenario, (), keep=True)
-    ref2 = refs2.get(scenario)
+    ref2 = refs2.reference(scenario)
     assert compare_captures(ref1, ref2, scenario.name)["tokens"]["equal"], "TP changed the greedy tokens"
     a, b = _logit_rows(ref1, ref2)
     f = compare_logits(a, b, label="TP W=2 vs W=1")
@@ -186,7 +187,7 @@ def test_cli_diff_at_world_size_2_judges_toggle_and_mutant(tmp_path):
 def test_cli_diff_rejects_bad_world_size(capsys):
     from k3verify.cli import main
     assert main(["diff", "--toggle", "tp_dedup_router", "--world-size", "0"]) == 2
-    assert "--world-size: expected an integer >= 1, got 0" in capsys.readouterr().err
+    assert "--world-size must be an integer >= 1, got 0" in capsys.readouterr().err
 
 
 # ---- larger world sizes: slow, measured once ------------------------------------------
@@ -196,16 +197,16 @@ def test_tp_verdicts_at_larger_world_sizes(model, scenario, world_size):
     """W = 8 on k3-mini: 4 KDA / MLA heads, so ranks 4-7 own no attention head (they
     still hold experts, vocab and FFN width and join every collective)."""
     t0 = time.perf_counter()
-    refs = ReferenceRuns(model, world_size=world_size)
+    refs = Runner(model, world_size=world_size)
     try:
         for name in TOGGLES:
-            res = check_toggle(model, name, scenario, references=refs)
+            res = check_toggle(model, name, scenario, runner=refs)
             assert all(r.status == "pass" for r in res), (name, [(r.check, r.reason) for r in res])
         for name in MUTANTS:
-            res = check_toggle(model, name, scenario, references=refs)
+            res = check_toggle(model, name, scenario, runner=refs)
             assert {r.check for r in res if r.status == "fail"} & set(registry.get(name).caught_by), name
         ref1 = run_scenario(model, scenario, (), keep=True)
-        rel = _rel_drift(ref1, refs.get(scenario))
+        rel = _rel_drift(ref1, refs.reference(scenario))
         assert rel < DRIFT_REL, rel
     finally:
         refs.close()

@@ -183,7 +183,7 @@ def _k3verify_imports(source: str) -> list[str]:
 def test_optimized_stack_train_never_imports_k3verify():
     assert _k3verify_imports((ROOT / "optimized_stack" / "train.py").read_text()) == []
     # negative control: an import inside a function body is found too
-    assert _k3verify_imports("def f():\n    from k3verify.evals import needle\n") == ["k3verify.evals"]
+    assert _k3verify_imports("def f():\n    from k3verify.quality.evals import needle\n") == ["k3verify.quality.evals"]
 
 
 def _fixed_steps(n_steps):

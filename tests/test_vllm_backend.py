@@ -13,20 +13,12 @@ import json
 import pytest
 import torch
 
-from k3verify.backends import tiny_hf_model
-from k3verify.backends.tiny_hf_model import VOCAB_SIZE, make_tiny_llama, model_hash
-from k3verify.backends.vllm_backend import (
-    REFERENCE,
-    TOGGLES,
-    candidate_settings,
-    compare_captures,
-    run_vllm,
-    run_vllm_pair,
-    validate_settings,
-    vllm_python,
-    vllm_unavailable_reason,
-)
+from k3verify.compare.logprobs import compare_logprobs
 from k3verify.errors import UsageError
+from k3verify.serving.backends import tiny_hf_model
+from k3verify.serving.backends.tiny_hf_model import VOCAB_SIZE, make_tiny_llama, model_hash
+from k3verify.serving.backends.vllm_backend import (REFERENCE, TOGGLES, candidate_settings, run_vllm, run_vllm_pair,
+                                                    validate_settings, vllm_python, vllm_unavailable_reason)
 
 # blake2b of the seed-0 checkpoint; if this moves, every stored vLLM capture is stale.
 SEED0_HASH = "67b313b4b532c64394a07401b99407b2"
@@ -143,7 +135,7 @@ def test_capture_holds_full_vocab_logprobs_per_step(reference_pair):
 @pytest.mark.vllm
 def test_reference_vs_reference_is_bitwise_equal(reference_pair):
     ref, again = reference_pair
-    summary, findings = compare_captures(ref, again, label="ref-vs-ref")
+    summary, findings = compare_logprobs(ref, again, label="ref-vs-ref")
     messages = "\n".join(f.message() for _, _, f in findings if not f.equal)
     assert summary.bitwise_equal, f"same settings, same model: logprobs must be bit-identical\n{messages}"
     assert summary.n_steps_compared == len(PROMPTS) * MAX_TOKENS
@@ -153,7 +145,7 @@ def test_reference_vs_reference_is_bitwise_equal(reference_pair):
 def test_negative_control_one_ulp_model_change_is_caught(models, reference_pair, vllm_py):
     ref, _ = reference_pair
     nudged = run_vllm(models["nudged"], PROMPTS, MAX_TOKENS, REFERENCE, python=vllm_py)
-    summary, _ = compare_captures(ref, nudged, label="ref-vs-nudged")
+    summary, _ = compare_logprobs(ref, nudged, label="ref-vs-nudged")
     assert not summary.bitwise_equal, "a 1-ULP change in one weight must show in the logprobs"
     assert summary.n_mismatched > 0 and summary.max_ulp > 0
     assert summary.first_divergent == (0, 0), "the change acts from the first step of the first request"
@@ -169,9 +161,9 @@ def test_unavailable_interpreter_gives_a_skip_reason(tmp_path):
 def test_cli_diff_backend_vllm_report(tmp_path, capsys):
     """`k3verify diff --backend vllm` end to end: the rerun control is bitwise (exit 0) and
     the bf16 control must fail (exit 1), both through the same report format."""
-    from k3verify.backends import tiny_hf_model
-    from k3verify.backends.vllm_backend import vllm_unavailable_reason
     from k3verify.cli import main
+    from k3verify.serving.backends import tiny_hf_model
+    from k3verify.serving.backends.vllm_backend import vllm_unavailable_reason
 
     reason = vllm_unavailable_reason()
     if reason:

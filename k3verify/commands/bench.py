@@ -1,17 +1,15 @@
 """`k3verify bench`: interleaved A/B timing; a toggle's speedup is *counted* only when its
-contract passed in the same run. `--capture-overhead` times hash capture itself.
-Writes DIR/report.json (one result per timing, the speedup on it), .md, .html, junit.xml."""
+contract passed in the same run (the `bench` check kind: kinds/bench.py). `--capture-overhead`
+times hash capture itself. Writes DIR/report.json (one result per timing, the speedup on it),
+.md, .html, junit.xml."""
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from rich.table import Table
 
-from k3verify.commands import (add_device_flag, add_json_flag, add_model_flag, command_line, console,
-                               emit_json, model_load_options, requested_device)
-from k3verify.commands._costs import bench_s
-from k3verify.commands._progress import Item, RunProgress
+from k3verify.commands import (add_device_flag, add_json_flag, add_model_flag, console, emit_json, model_load_options,
+                               requested_device)
 from k3verify.errors import UsageError
 
 NAME = "bench"
@@ -30,64 +28,28 @@ def add_arguments(parser) -> None:
     add_json_flag(parser)
 
 
-def _items(args) -> list[Item]:
-    from k3verify import bench, workloads
+def spec_of(args):
+    from k3verify.kinds.base import CheckSpec
 
-    items = []
-    if args.capture_overhead:
-        tokens = bench.scenario_tokens(workloads.build("multi_length", scale=args.scale))
-        items.append(Item("capture overhead", "capture", bench_s(tokens, args.repeats)))
-    tokens = bench.scenario_tokens(bench.workload(args.workload, args.scale))
-    items += [Item(t, "bench", bench_s(tokens, args.repeats)) for t in args.toggle or ()]
-    return items
-
-
-def _overhead_result(row: dict, duration_s: float) -> dict:
-    """A measurement, not a toggle's speedup: its ratio is recorded and never counted."""
-    from k3verify.run_all import result
-
-    return result(None, "capture_overhead", "pass",
-                  f"hash capture costs {row['overhead']:+.1%} time against no capture ({row['repeats']} pairs)",
-                  scenario="multi_length", duration_s=duration_s,
-                  speedup={"ratio": row["ratio"], "ci": row["ci95"], "counted": False, "workload": "multi_length"})
+    if not args.toggle and not args.capture_overhead:
+        raise UsageError("bench needs --toggle T or --capture-overhead")
+    return CheckSpec(NAME, options={"toggles": list(args.toggle) if args.toggle else None, "workload": args.workload,
+                                    "scale": args.scale, "repeats": args.repeats,
+                                    "capture_overhead": args.capture_overhead})
 
 
 def run(args) -> int:
-    if not args.toggle and not args.capture_overhead:
-        raise UsageError("bench needs --toggle T or --capture-overhead")
-    if args.repeats < 2:
-        raise UsageError(f"--repeats must be >= 2 for an interval, got {args.repeats}")
+    from k3verify.commands import _check
+    from k3verify.kinds.base import Context
     from optimized_stack import load_model
-    from optimized_stack import toggles as registry
 
-    from k3verify import bench, verify
-    from k3verify.run_all import bench_result
-
-    for t in args.toggle or ():
-        registry.get(t)
-    items = _items(args)                       # builds the workloads: a bad --scale is refused here
-    device = requested_device(args)
-    model = load_model(args.model, device=device, **model_load_options(args))
-    hbm = None
-    if device == "cuda" and args.workload == "decode":
-        from k3verify.gpu_bench import hbm_copy_bandwidth
-        hbm = hbm_copy_bandwidth()
-    rows, results = [], []
-    with RunProgress("bench", items, log_prefix="  timing ") as bar:
-        if args.capture_overhead:
-            bar.step("capture overhead")
-            t0 = time.perf_counter()
-            rows.append(bench.capture_overhead(model, scale=args.scale, repeats=args.repeats))
-            results.append(_overhead_result(rows[-1], time.perf_counter() - t0))
-        for t in args.toggle or ():
-            bar.step(f"{t} on {args.workload}")
-            t0 = time.perf_counter()
-            rows.append(bench.bench_toggle(model, t, workload_name=args.workload, scale=args.scale,
-                                           repeats=args.repeats, hbm_bytes_per_s=hbm))
-            results.append(bench_result(rows[-1], time.perf_counter() - t0))
-    run_id, default_dir = verify.default_report_dir("bench")
-    report, paths = verify.write(args.report_dir or default_dir, run_id, command_line(), model, results,
-                                 seeds={"scenario_seed": 0, "repeats": args.repeats})
+    units = _check.plan(spec_of(args))             # builds the workloads: a bad --scale is refused here
+    model = load_model(args.model, device=requested_device(args), **model_load_options(args))
+    with Context(model, model_arg=args.model) as ctx:
+        results = _check.run_units(units, ctx, NAME, log_prefix="  timing ")
+    run_id, report, paths = _check.write(NAME, args.report_dir, model, results,
+                                         seeds={"scenario_seed": 0, "repeats": args.repeats})
+    rows = [r["row"] for r in report["results"]]
     table = Table(title=f"interleaved A/B ({args.repeats} pairs, warm-up excluded)")
     for col in ("A", "B", "tok/s A", "tok/s B", "A/B time ratio", "95% CI", "HBM roofline A / B", "counted"):
         table.add_column(col)

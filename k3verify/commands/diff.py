@@ -2,7 +2,8 @@
 
 Runs every scenario on the reference path and with the toggle, compares the full logit
 rows, KDA state and MLA rows, judges the toggle's contract and writes DIR/report.json,
-report.md, report.html and junit.xml. Exit 0 when the contract holds, 1 when it does not.
+report.md, report.html and junit.xml (the `diff` check kind: kinds/diff.py). Exit 0 when the
+contract holds, 1 when it does not.
 """
 from __future__ import annotations
 
@@ -10,13 +11,13 @@ from pathlib import Path
 
 from rich.table import Table
 
-from k3verify.commands import (add_device_flag, add_json_flag, add_model_flag, command_line, console,
-                               emit_json, model_load_options, requested_device)
-from k3verify.commands._costs import diff_s
-from k3verify.commands._progress import Item, RunProgress
+from k3verify.commands import (add_device_flag, add_json_flag, add_model_flag, console, emit_json, model_load_options,
+                               requested_device)
 
 NAME = "diff"
 HELP = "judge one toggle against the reference path (bitwise / drift budget) and write a report"
+COLOURS = {"pass": "green", "fail": "red", "skip": "yellow", "error": "magenta", "inconclusive": "yellow",
+           "not_exercised": "yellow"}
 
 
 def add_arguments(parser) -> None:
@@ -46,35 +47,34 @@ def add_arguments(parser) -> None:
                         help="with --base: print summary.md (a merge-request comment) at the end")
 
 
-def results_table(results, title: str) -> Table:
+def results_table(rows: list[dict], title: str) -> Table:
     table = Table(title=title)
     for col in ("toggle", "contract", "scenario", "check", "status", "reason"):
         table.add_column(col, overflow="fold")
-    colour = {"pass": "green", "fail": "red", "skip": "yellow", "error": "magenta"}
-    for r in results:
-        d = r if isinstance(r, dict) else r.to_dict()
+    for d in rows:
         table.add_row(d["toggle"], d["contract"], d["scenario"] or "", d["check"],
-                      f"[{colour[d['status']]}]{d['status']}[/]", d["reason"])
+                      f"[{COLOURS[d['status']]}]{d['status']}[/]", d["reason"])
     return table
 
 
-def _items(args) -> list[Item]:
-    """One progress item per (toggle, scenario) judge() will run, costed by the scenario's tokens."""
-    from optimized_stack import toggles as registry
+def spec_of(args):
+    from k3verify.errors import UsageError
+    from k3verify.kinds.base import CheckSpec
 
-    from k3verify import verify
-    from k3verify.bench import scenario_tokens
-
-    return [Item(f"{name} on {sc.name}", "diff", diff_s(scenario_tokens(sc)))
-            for name in args.toggle
-            for sc in verify.scenarios_for(registry.get(name), args.scenario, args.scale, args.seed)]
+    if args.backend == "vllm":
+        if args.model is None:
+            raise UsageError("--backend vllm needs --model DIR (a Hugging Face model directory)")
+        if not (Path(args.model) / "config.json").is_file():
+            raise UsageError(f"--model for the vLLM backend: expected a Hugging Face model directory, got {args.model}")
+    return CheckSpec(NAME, options={"toggles": list(args.toggle), "scenarios": args.scenario, "scale": args.scale,
+                                    "seed": args.seed, "world_size": args.world_size, "backend": args.backend})
 
 
 def run(args) -> int:
+    from k3verify.commands import _check
+    from k3verify.kinds.base import Context
     from optimized_stack import load_model
-    from optimized_stack import toggles as registry
 
-    from k3verify import verify, workloads
     from k3verify.errors import UsageError
 
     if args.base is not None:
@@ -82,30 +82,18 @@ def run(args) -> int:
         return run_command(args)
     if not args.toggle:
         raise UsageError("diff needs --toggle NAME (or --base [REV] to diff this patch against a revision)")
-    if args.world_size < 1:
-        raise UsageError(f"--world-size: expected an integer >= 1, got {args.world_size}")
-    if args.backend == "vllm":
-        return _run_vllm(args)
-    if args.world_size > 1:
-        import k3verify.tp_runner  # noqa: F401  (registers the TP toggles)
-    for name in args.toggle:
-        registry.get(name)                       # unknown names: exit 2 before any work
-    for name in args.scenario or ():
-        workloads.build(name)
-    items = _items(args)                         # builds the scenarios: a bad --scale is refused here
-    model = load_model(args.model, device=requested_device(args), **model_load_options(args))
+    units = _check.plan(spec_of(args))            # every bad flag refused here, before any work
+    vllm = args.backend == "vllm"
+    model = None if vllm else load_model(args.model, device=requested_device(args), **model_load_options(args))
+    with Context(model, model_arg=args.model) as ctx:
+        results = _check.run_units(units, ctx, "diff")
+    seeds = {"prompt_seed": args.seed} if vllm else {"scenario_seed": args.seed, "world_size": args.world_size}
+    run_id, report, paths = _check.write("diff-vllm" if vllm else "diff", args.report_dir, model, results, seeds)
     con = console()
-    with RunProgress("diff", items, log_prefix="  running ") as bar:
-        results = verify.judge(model, args.toggle, args.scenario, scale=args.scale, seed=args.seed,
-                               progress=bar.step, world_size=args.world_size)
-    run_id, default_dir = verify.default_report_dir("diff")
-    out_dir = args.report_dir or default_dir
-    report, paths = verify.write(out_dir, run_id, command_line(), model,
-                                 [r.to_dict() for r in results],
-                                 seeds={"scenario_seed": args.seed, "world_size": args.world_size})
-    con.print(results_table(results, f"diff {', '.join(args.toggle)}"))
+    title = f"diff{' --backend vllm' if vllm else ''} {', '.join(args.toggle)}"
+    con.print(results_table(report["results"], title))
     for r in results:
-        if r.status == "fail":
+        if r.status == "fail" and not vllm:
             for f in r.findings[:1]:
                 con.print(f"[bold]{r.toggle} / {r.scenario} / {r.check}[/]\n{f.get('message', '')}")
             if r.localization:
@@ -121,25 +109,3 @@ def run(args) -> int:
 def _result_rows(results: list[dict]) -> list[dict]:
     """What the table shows, for scripts (`jq '.results[] | select(.status == "fail")'`)."""
     return [{k: r.get(k) for k in ("toggle", "scenario", "check", "status", "reason")} for r in results]
-
-
-def _run_vllm(args) -> int:
-    from k3verify import verify
-    from k3verify.errors import UsageError
-    from k3verify.vllm_diff import judge_vllm
-
-    if args.model is None:
-        raise UsageError("--backend vllm needs --model DIR (a Hugging Face model directory)")
-    results = judge_vllm(Path(args.model), args.toggle, seed=args.seed)
-    run_id, default_dir = verify.default_report_dir("diff-vllm")
-    out_dir = args.report_dir or default_dir
-    report, paths = verify.write(out_dir, run_id, command_line(), None, results,
-                                 seeds={"prompt_seed": args.seed})
-    con = console()
-    con.print(results_table(results, f"diff --backend vllm {', '.join(args.toggle)}"))
-    verdict = report["summary"]["verdict"]
-    con.print(f"verdict: {verdict}  report: {paths['md']}")
-    if args.json:
-        emit_json({"run_id": run_id, "verdict": verdict, "report": str(paths["json"]), "summary": report["summary"],
-                   "results": _result_rows(report["results"])})
-    return 0 if verdict == "pass" else 1

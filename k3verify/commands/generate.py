@@ -119,7 +119,7 @@ def run(args) -> int:
 
 def _refuse_nonfinite(logits, start: int) -> None:
     """A NaN / inf logit fails the run (exit 1) with its location; argmax would pick it."""
-    from k3verify.nonfinite import first_nonfinite
+    from k3verify.capture.nonfinite import first_nonfinite
     nf = first_nonfinite(logits)                     # logits [T, vocab] for positions start..
     if nf is not None:
         raise CheckFailed(f"non-finite ({nf.kind}) in logits at position {start + nf.index_tuple[0]}, "

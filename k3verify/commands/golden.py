@@ -30,23 +30,22 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    from k3verify.compare import golden
     from optimized_stack import load_model
 
-    from k3verify import golden_hashes as gh
-
-    directory = args.dir or gh.GOLDEN_DIR
+    directory = args.dir or golden.GOLDEN_DIR
     model = load_model(args.model, **model_load_options(args))
     con = console()
-    key = gh.env_key(gh.numerics_environment(model))
+    key = golden.env_key(golden.numerics_environment(model))
     if args.action in ("record", "update"):
         if not args.reason:
             raise UsageError(f"golden {args.action} needs --reason TEXT: say why the reference hashes change")
-        path = gh.record(model, args.reason, directory)
-        con.print(f"recorded golden hashes for {gh.model_id(model)[:30]} on {key}: {path}")
+        path = golden.record(model, args.reason, directory)
+        con.print(f"recorded golden hashes for {golden.model_id(model)[:30]} on {key}: {path}")
         if args.json:
             emit_json({"action": args.action, "env_key": key, "path": str(path)})
         return 0
-    gc = gh.check(model, directory)
+    gc = golden.check(model, directory)
     table = Table(title=f"golden check ({key})")
     for col in ("scenario", "status", "reason"):
         table.add_column(col, overflow="fold")

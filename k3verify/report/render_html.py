@@ -14,8 +14,8 @@ import math
 from html import escape
 from typing import Any, Mapping, Optional, Sequence
 
-from .render_md import (finding_failed, finding_message, format_mapping, format_speedup, interval, key_numbers,
-                        num, result_title, status_text, summary_counts)
+from k3verify.report.render_md import (finding_failed, finding_message, format_mapping, format_speedup, interval,
+                                       key_numbers, num, result_title, status_text, summary_counts)
 
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2rem;color:#1d2330;max-width:1200px}
@@ -25,7 +25,7 @@ table{border-collapse:collapse;font-size:.85rem;margin:.5rem 0}
 th,td{border:1px solid #d0d5dd;padding:.25rem .5rem;text-align:left;vertical-align:top}
 th{background:#f2f4f7} td.num{text-align:right;font-variant-numeric:tabular-nums}
 .pass{color:#067647;font-weight:600} .fail,.error{color:#b42318;font-weight:700} .skip{color:#93370d}
-.inconclusive{color:#b54708;font-weight:700;font-style:italic}
+.inconclusive,.not_exercised{color:#b54708;font-weight:700;font-style:italic}
 .verdict{display:inline-block;padding:.2rem .8rem;border-radius:.3rem;color:#fff;font-weight:700}
 .verdict.pass{background:#067647;color:#fff} .verdict.fail{background:#b42318;color:#fff}
 .verdict.inconclusive{background:#b54708;color:#fff;font-style:normal}
@@ -184,7 +184,7 @@ def accuracy_panels(accuracy: Any, name: str = "") -> list[Panel]:
     """
     prefix = f"{name}: " if name else ""
     if isinstance(accuracy, Mapping) and "acc_ref" in accuracy and "acc_cand" in accuracy:
-        from k3verify.stats import wilson_interval
+        from k3verify.quality.stats import wilson_interval
 
         n, alpha = accuracy.get("n"), num(accuracy.get("alpha")) or 0.05
         rows = []
@@ -318,6 +318,7 @@ def render_html(report: Mapping[str, Any]) -> str:
     details = [_result_section(i, r) for i, r in enumerate(results) if _worth_a_section(r)]
     skips = [r for r in results if r.get("status") == "skip"]
     undecided = [r for r in results if r.get("status") == "inconclusive"]
+    unexercised = [r for r in results if r.get("status") == "not_exercised"]
     parts = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
         f"<title>k3verify report {run_id}</title>", f"<style>{_CSS}</style></head><body>",
@@ -334,6 +335,9 @@ def render_html(report: Mapping[str, Any]) -> str:
     if undecided:
         parts.append("<h2>Inconclusive (not a pass)</h2><ul>" + "".join(
             f"<li>{escape(result_title(r))}: {escape(str(r.get('reason', '')))}</li>" for r in undecided) + "</ul>")
+    if unexercised:
+        parts.append("<h2>Not exercised (not a pass)</h2><ul>" + "".join(
+            f"<li>{escape(result_title(r))}: {escape(str(r.get('reason', '')))}</li>" for r in unexercised) + "</ul>")
     if skips:
         parts.append("<h2>Skipped</h2><ul>" + "".join(
             f"<li>{escape(result_title(r))}: {escape(str(r.get('reason', '')))}</li>" for r in skips) + "</ul>")

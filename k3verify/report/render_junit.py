@@ -2,8 +2,10 @@
 
 fail -> <failure message=reason>, error -> <error message=reason>, skip ->
 <skipped message=reason>, inconclusive -> <skipped message="inconclusive: reason"> (a gate
-that could not decide is never reported as a passing test); the body of a failure carries the comparator's finding
-text and the first divergence. Built with ElementTree so attributes and text are
+that could not decide is never reported as a passing test), not_exercised -> <skipped
+message="not exercised: reason"> (the toggle's code path never ran: never a pass). The
+element per status is verdict/result.py STATUS_TABLE's. The body of a failure carries the
+comparator's finding text and the first divergence. Built with ElementTree so attributes and text are
 escaped; characters XML 1.0 cannot hold at all (most C0 controls) are replaced.
 """
 
@@ -13,7 +15,8 @@ import re
 import xml.etree.ElementTree as ET
 from typing import Any, Mapping
 
-from .render_md import finding_failed, finding_message, format_mapping, format_speedup, num
+from k3verify.report.render_md import failure_details, format_speedup, num
+from k3verify.verdict.result import STATUS
 
 _XML_INVALID = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
 _ID_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
@@ -34,15 +37,8 @@ def _case_name(r: Mapping[str, Any]) -> str:
 
 
 def _failure_body(r: Mapping[str, Any]) -> str:
-    parts = []
-    if r.get("first_divergence"):
-        parts.append(f"first divergence: {format_mapping(r['first_divergence'])}")
-    if r.get("localization"):
-        parts.append(f"localization: {format_mapping(r['localization'])}")
-    for f in r.get("findings", []):
-        if isinstance(f, Mapping) and finding_failed(f):
-            parts.append(finding_message(f))
-    return "\n\n".join(parts) or str(r.get("reason", ""))
+    where, messages = failure_details(r)
+    return "\n\n".join([f"{label}: {text}" for label, text in where] + messages) or str(r.get("reason", ""))
 
 
 def render_junit(report: Mapping[str, Any]) -> str:
@@ -57,7 +53,7 @@ def render_junit(report: Mapping[str, Any]) -> str:
         counts = {"tests": len(rows),
                   "failures": sum(r.get("status") == "fail" for r in rows),
                   "errors": sum(r.get("status") == "error" for r in rows),
-                  "skipped": sum(r.get("status") in ("skip", "inconclusive") for r in rows),
+                  "skipped": sum(STATUS[r["status"]].junit == "skipped" for r in rows if r.get("status") in STATUS),
                   "time": sum(_seconds(r.get("duration_s")) for r in rows)}
         for key, value in counts.items():
             totals[key] += value
@@ -78,9 +74,10 @@ def render_junit(report: Mapping[str, Any]) -> str:
                 ET.SubElement(case, "error", message=reason, type="Error").text = _clean(_failure_body(r))
             elif status == "skip":
                 ET.SubElement(case, "skipped", message=reason)
-            elif status == "inconclusive":
-                shown = reason if "inconclusive" in reason else f"inconclusive: {reason}"
-                ET.SubElement(case, "skipped", message=shown, type="Inconclusive")
+            elif status in STATUS and STATUS[status].junit == "skipped":      # inconclusive, not exercised
+                label = STATUS[status].label
+                shown = reason if label in reason else f"{label}: {reason}"
+                ET.SubElement(case, "skipped", message=shown, type=label.title().replace(" ", ""))
             extra = []
             if r.get("role") == "smoke":
                 extra.append("role: smoke (counts toward no verdict; a failure still fails)")

@@ -13,6 +13,8 @@ import math
 import re
 from typing import Any, Iterable, Mapping
 
+from k3verify.verdict.result import STATUS
+
 # Tuple-typed Finding fields that to_dict turned into lists.
 _TUPLE_FIELDS = ("shape", "max_ulp_index", "max_abs_index", "max_rel_index", "first_index_tuple", "first_flip_tokens")
 _FLOAT_FIELDS = ("atol", "rtol", "max_abs", "max_rel", "kl_max", "kl_mean", "top1_agreement")
@@ -31,7 +33,7 @@ def num(value: Any) -> float | None:
 
 
 def _finding_from_dict(d: Mapping[str, Any]) -> Any:
-    from k3verify.compare import Finding, LogitFinding  # torch import only when a finding needs text
+    from k3verify.compare.tensors import Finding, LogitFinding  # torch import only when a finding needs text
 
     cls = LogitFinding if "n_rows" in d else Finding
     names = {f.name for f in dataclasses.fields(cls)}
@@ -131,15 +133,28 @@ def format_mapping(d: Mapping[str, Any] | None) -> str:
 
 
 def summary_counts(summary: Mapping[str, Any]) -> str:
-    """'3 passed, 0 failed, 1 skipped, 0 errors, 2 inconclusive' (the last only when there are any)."""
+    """'3 passed, 0 failed, 1 skipped, 0 errors, 2 inconclusive, 1 not exercised' (the last two only
+    when there are any)."""
     text = (f"{summary.get('passed', 0)} passed, {summary.get('failed', 0)} failed, "
             f"{summary.get('skipped', 0)} skipped, {summary.get('errors', 0)} errors")
-    return text + (f", {summary['inconclusive']} inconclusive" if summary.get("inconclusive") else "")
+    text += f", {summary['inconclusive']} inconclusive" if summary.get("inconclusive") else ""
+    return text + (f", {summary['not_exercised']} not exercised" if summary.get("not_exercised") else "")
+
+
+def failure_details(r: Mapping[str, Any]) -> tuple[list[tuple[str, str]], list[str]]:
+    """What a failing result says beyond its reason: [(label, text)] for the first divergence and
+    the localization, and the message of every failed finding (the Markdown and JUnit views)."""
+    where = [(label, format_mapping(r[key])) for key, label in (("first_divergence", "first divergence"),
+                                                                 ("localization", "localization")) if r.get(key)]
+    messages = [finding_message(f) for f in r.get("findings", []) if isinstance(f, Mapping) and finding_failed(f)]
+    return where, messages
 
 
 def status_text(r: Mapping[str, Any]) -> str:
-    """The status as the views show it: a smoke test says so beside its status."""
-    return str(r.get("status", "?")) + (" (smoke)" if r.get("role") == "smoke" else "")
+    """The status as the views show it ("not exercised"); a smoke test says so beside its status."""
+    status = r.get("status", "?")
+    shown = STATUS[status].label if status in STATUS else str(status)
+    return shown + (" (smoke)" if r.get("role") == "smoke" else "")
 
 
 def result_title(r: Mapping[str, Any]) -> str:
@@ -187,7 +202,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         shown = status_text(r)
         if r.get("status") in ("fail", "error"):
             shown = f"**{shown.upper()}**"
-        elif r.get("status") == "inconclusive":
+        elif r.get("status") in ("inconclusive", "not_exercised"):
             shown = f"*{shown}*"
         duration = num(r.get("duration_s"))
         cells = [r.get("toggle"), r.get("kind"), r.get("contract"), r.get("check"), r.get("scenario") or "-", shown,
@@ -201,18 +216,20 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     for r in failures:
         lines += ["", f"### {str(r.get('status')).upper()}: {result_title(r)}", "",
                   f"- contract: {r.get('contract', '')}", f"- reason: {_cell(r.get('reason', ''))}"]
-        if r.get("first_divergence"):
-            lines.append(f"- first divergence: {_cell(format_mapping(r['first_divergence']))}")
-        if r.get("localization"):
-            lines.append(f"- localization: {_cell(format_mapping(r['localization']))}")
-        for f in r.get("findings", []):
-            if isinstance(f, Mapping) and finding_failed(f):
-                lines += ["", _fence(finding_message(f))]
+        where, messages = failure_details(r)
+        lines += [f"- {label}: {_cell(text)}" for label, text in where]
+        for message in messages:
+            lines += ["", _fence(message)]
 
     undecided = [r for r in results if r.get("status") == "inconclusive"]
     if undecided:
         lines += ["", "## Inconclusive (not a pass)", ""]
         lines += [f"- {result_title(r)}: {_cell(r.get('reason', ''))}" for r in undecided]
+
+    unexercised = [r for r in results if r.get("status") == "not_exercised"]
+    if unexercised:
+        lines += ["", "## Not exercised (not a pass: the toggle's code path never ran)", ""]
+        lines += [f"- {result_title(r)}: {_cell(r.get('reason', ''))}" for r in unexercised]
 
     skips = [r for r in results if r.get("status") == "skip"]
     if skips:

@@ -8,17 +8,21 @@ allowed (a result may carry "per_step", "accuracy", "contract_detail" ...), so
 the gate can add evidence without a schema bump; removing or retyping a key
 needs SCHEMA_VERSION + 1.
 
+The fields of a result and the statuses come from one place, verdict/result.py (the
+Result every check returns); this module only reads them.
+
 Verdict rule: "fail" when a result failed or errored; else "inconclusive" when a
 result is inconclusive (a gate that ran but could not decide, e.g. too few questions
-for its margin) and counts; else "pass". Skips do not fail a run, but they are counted
-and each states its reason; so does every inconclusive result.
+for its margin) and counts; else "pass". Skips and not-exercised results (the toggle's own
+code path never ran) do not fail a run, but they are counted, never as a pass, and each
+states its reason; so does every inconclusive result.
 
 A result may carry "role": "smoke" (ROLES): a smoke test whose pass or inconclusive
 counts toward no verdict (its inconclusive leaves the run's verdict alone); its fail
 or error still fails the run, since a smoke test that breaks is broken.
 
-Version-1 reports written before "inconclusive" existed have no summary.inconclusive;
-the validator reads a missing count as 0.
+Version-1 reports written before "inconclusive" or "not_exercised" existed have no such
+summary count; the validator reads a missing count as 0.
 """
 
 from __future__ import annotations
@@ -26,14 +30,11 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Iterable, Mapping
 
+from k3verify.verdict.result import KINDS, ROLES, STATUS_TABLE, STATUSES, schema_fields
+
 SCHEMA_VERSION = 1
 
-KINDS = ("optimization", "mutant")
-STATUSES = ("pass", "fail", "skip", "error", "inconclusive")
 VERDICTS = ("pass", "fail", "inconclusive")
-ROLES = ("gate", "smoke")
-
-_NUMBER = (int, float)
 
 # key -> (accepted types, nullable)
 _TOP_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
@@ -45,32 +46,15 @@ _TOP_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
     "results": ((list,), False),
     "summary": ((dict,), False),
 }
-_RESULT_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
-    "toggle": ((str,), False),
-    "kind": ((str,), False),
-    "contract": ((str,), False),
-    "check": ((str,), False),
-    "scenario": ((str,), True),
-    "status": ((str,), False),
-    "reason": ((str,), False),
-    "findings": ((list,), False),
-    "first_divergence": ((dict,), True),
-    "localization": ((dict,), True),
-    "caught": ((bool,), True),
-    "duration_s": (_NUMBER, False),
-    "speedup": ((dict,), True),
-}
+_RESULT_FIELDS = schema_fields()         # verdict/result.py: the Result dataclass is the field list
+# summary key -> the status it counts
+SUMMARY_COUNTS = {s.summary_key: s.name for s in STATUS_TABLE}
+# absent from reports written before the status existed (read as 0)
+_OPTIONAL_COUNTS = ("inconclusive", "not_exercised")
 _SUMMARY_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
-    "passed": ((int,), False),
-    "failed": ((int,), False),
-    "skipped": ((int,), False),
-    "errors": ((int,), False),
+    **{key: ((int,), False) for key in SUMMARY_COUNTS if key not in _OPTIONAL_COUNTS},
     "verdict": ((str,), False),
 }
-# summary key -> the status it counts
-SUMMARY_COUNTS = {"passed": "pass", "failed": "fail", "skipped": "skip", "errors": "error",
-                  "inconclusive": "inconclusive"}
-_OPTIONAL_COUNTS = ("inconclusive",)  # absent from reports written before the status existed
 
 
 def _type_name(types: tuple[type, ...]) -> str:
@@ -118,7 +102,7 @@ def validate_result(result: Any, where: str = "result") -> None:
         raise ValueError(f"{where}.duration_s: expected >= 0, got {result['duration_s']}")
     if result.get("role") is not None:
         _check_choice(result["role"], ROLES, f"{where}.role")
-    if result["status"] in ("fail", "skip", "error", "inconclusive") and not result["reason"].strip():
+    if result["status"] != "pass" and not result["reason"].strip():
         article = "an" if result["status"][0] in "aeiou" else "a"
         raise ValueError(f"{where}.reason: {article} {result['status']} must state its reason, got an empty string")
     for j, finding in enumerate(result["findings"]):

@@ -32,7 +32,9 @@ FAULTS = {
     "mut_spec_replay_closed_form": "speculative replay uses the chunked closed form, not the sequential recurrence",
 }
 
-# option -> the option it needs (one line errors name both)
+# option -> the option it needs (one line errors name both). The one source of these rules:
+# an engine toggle's `requires` is derived from it (required_options), the toggle that switches
+# an option on being named after it.
 REQUIRES = {
     "prefix_cache_subblock": "prefix_cache",
     "ckpt_with_mla_tail": "prefix_cache_subblock",
@@ -40,6 +42,11 @@ REQUIRES = {
     "preemption": "continuous_batching",
     "speculative": "continuous_batching",
 }
+
+
+def required_options(options: dict[str, Any]) -> tuple[str, ...]:
+    """The options that the switched-on options in `options` need (REQUIRES), sorted, each once."""
+    return tuple(sorted({REQUIRES[k] for k, v in options.items() if v and k in REQUIRES}))
 
 
 @dataclass(frozen=True)

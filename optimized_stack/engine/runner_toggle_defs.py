@@ -1,5 +1,5 @@
 """Exact toggles of the incremental path, run by the verifier's plain sequential runner
-(k3verify/runner.py reads their `runner` options), and the mutant of the state round trip."""
+(k3verify/run/sequential.py reads their `runner` options), and the mutant of the state round trip."""
 from __future__ import annotations
 
 from ..toggles import EXACT, Toggle, register

@@ -10,6 +10,7 @@ not the greedy stream, so it only exists as an engine option for benchmarks.
 from __future__ import annotations
 
 from ..toggles import EXACT, Toggle, register
+from .options import required_options
 
 ALL = ("logits", "kda_state", "kda_conv", "mla_rows")
 NUM_DRAFT_TOKENS = 3
@@ -20,7 +21,7 @@ REPLAY = {**CB, "speculative": "replay_ssm", "num_draft_tokens": NUM_DRAFT_TOKEN
 
 def _opt(name: str, description: str, engine: dict) -> None:
     register(Toggle(name=name, description=description, contract=EXACT, touches=ALL, engine=engine,
-                    requires=("continuous_batching",), exercised_by=("spec",)))
+                    requires=required_options(engine), exercised_by=("spec",)))
 
 
 def _mut(name: str, of: str, description: str, engine: dict, caught_by: tuple[str, ...], lives_in: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ..model import ops
 from ..toggles import EXACT, Toggle, register
+from .options import required_options
 
 ALL = ("logits", "kda_state", "kda_conv", "mla_rows")
 CHUNK_BUDGET = 100          # cuts prompts at non-multiples of the block and checkpoint sizes
@@ -23,7 +24,7 @@ PRE = {**CB, "preemption": True, "device_cache_tokens": DEVICE_TOKENS}
 CHUNK = {"chunked_prefill": True, "token_budget": CHUNK_BUDGET}
 
 
-# scenario tags (k3verify.workloads) that put each toggle's mechanism under load
+# scenario tags (k3verify.scenarios.workloads) that put each toggle's mechanism under load
 EXERCISED_BY = {
     "continuous_batching": ("preemption",), "chunked_prefill": ("long", "boundaries"),
     "prefix_cache": ("prefix",), "prefix_cache_subblock": ("prefix",), "ckpt_with_mla_tail": ("prefix",),
@@ -31,8 +32,10 @@ EXERCISED_BY = {
 }
 
 
-def _opt(name: str, description: str, engine: dict, requires: tuple[str, ...] = ()) -> None:
-    # every engine toggle can reach every tensor: an MLA layer's output feeds later KDA layers
+def _opt(name: str, description: str, engine: dict) -> None:
+    # every engine toggle can reach every tensor: an MLA layer's output feeds later KDA layers;
+    # what it requires is options.REQUIRES's (the toggle named after each needed option)
+    requires = tuple(o for o in required_options(engine) if o != name)
     register(Toggle(name=name, description=description, contract=EXACT, touches=ALL,
                     engine=engine, requires=requires, exercised_by=EXERCISED_BY.get(name, ())))
 
@@ -51,15 +54,15 @@ _opt("chunked_prefill", f"prompts split across steps under a token budget ({CHUN
 _opt("prefix_cache", "block-hashed reuse of MLA rows plus KDA checkpoints at block boundaries "
      "(vLLM align mode)", PC)
 _opt("prefix_cache_subblock", "KDA checkpoints every checkpoint_interval tokens and at request end, "
-     "usable where the MLA rows up to that token are cached", SUB, ("prefix_cache",))
+     "usable where the MLA rows up to that token are cached", SUB)
 _opt("ckpt_with_mla_tail", "the partial block's MLA rows stored with each KDA checkpoint so forks "
-     "hit inside blocks", TAIL, ("prefix_cache_subblock",))
+     "hit inside blocks", TAIL)
 _opt("projected_kv_cache", "kv_b_proj output kept per cached row so reused rows skip the decompression",
      {"projected_kv_cache": True})
 _opt("host_kv_tier", f"LRU eviction of MLA blocks and KDA checkpoints to a host tier under a "
-     f"{DEVICE_TOKENS}-token device pool, restored on a hit", HOST, ("prefix_cache",))
+     f"{DEVICE_TOKENS}-token device pool, restored on a hit", HOST)
 _opt("preemption", f"preempt the newest running request when the {DEVICE_TOKENS}-token MLA pool "
-     "runs out; resume by recompute", PRE, ("continuous_batching",))
+     "runs out; resume by recompute", PRE)
 
 _mut("mut_batch_plain_linear", "continuous_batching", "continuous batching on torch's plain GEMM "
      "(a row's bits depend on the batch)", CB, ("logits",), "ops/linear",

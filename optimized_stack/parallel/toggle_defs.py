@@ -1,6 +1,6 @@
 """The tensor-parallel toggles and their mutants (world sizes 2, 4, 8).
 
-Each sets `runner` options that the TP runner (k3verify/tp_runner.py) turns into
+Each sets `runner` options that the TP runner (k3verify/run/tp.py) turns into
 `TPOptions`; the reference for a TP toggle is the same world size without it.
 
 Contracts, and why (measured on gloo, NOTES.md / the TP report):

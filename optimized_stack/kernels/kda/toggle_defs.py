@@ -42,13 +42,13 @@ register(Toggle(
     name="kda_fla_chunk", contract=FLA_KERNEL, touches=("logits", "kda_state"), devices=CUDA,
     description="KDA prefill and decode through fla-core's chunk_kda Triton kernel "
                 "(chunks of 64; a prefill split at a multiple of 64 is bit-identical)",
-    ops=both(fla.fla_chunk)))
+    ops=both(fla.fla_chunk), phases=("prefill",)))
 
 register(Toggle(
     name="kda_fla_recurrent", contract=FLA_RECURRENT, touches=("logits", "kda_state"), devices=CUDA,
     description="KDA through fla-core's fused_recurrent_kda (one kernel per call, the state "
                 "kept in registers across tokens): the decode-step kernel",
-    ops=both(fla.fla_recurrent)))
+    ops=both(fla.fla_recurrent), phases=("decode",)))
 
 
 # ---- faults -------------------------------------------------------------------------------

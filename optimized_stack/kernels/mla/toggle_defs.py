@@ -12,12 +12,12 @@ register(Toggle(
     name="mla_absorbed", contract=APPROX_KERNEL, touches=("logits",),
     description="MLA attention over latent cache rows with kv_b_proj absorbed into q and "
                 "the output (reads each row once; no K/V decompression)",
-    ops={"mla_prefill": mla_absorbed, "mla_decode": mla_absorbed}))
+    ops={"mla_prefill": mla_absorbed, "mla_decode": mla_absorbed}, phases=("decode",)))
 
 register(Toggle(
     name="mla_sdpa", contract=APPROX_KERNEL, touches=("logits",),
     description="MLA causal softmax in torch's fused SDPA kernel (O(T) memory; long prefills on CPU)",
-    ops={"attention": sdpa_attention}))
+    ops={"attention": sdpa_attention}, phases=("prefill",)))
 
 _wrong_scale = functools.partial(mla_absorbed, _scale_mult=24 ** -0.5)
 register(Toggle(

@@ -21,13 +21,13 @@ register(Toggle(
     name="moe_grouped", contract=GEMM_REGROUP, touches=("logits",), devices=CUDA,
     description="routed experts as three batched GEMMs over tokens grouped by expert "
                 "(padded [E, rows, D]) instead of a per-expert loop; combine order kept",
-    ops={"moe_experts": routed_grouped}))
+    ops={"moe_experts": routed_grouped}, phases=("prefill", "decode")))
 
 register(Toggle(
     name="shared_expert_side_stream", contract=EXACT, touches=("logits",), devices=CUDA,
     description="shared expert on a second CUDA stream, overlapping the router and routed "
                 "experts; joined before the add, same kernels and shapes, so bit-identical",
-    ops={"moe_block": moe_forward_side_stream}))
+    ops={"moe_block": moe_forward_side_stream}, phases=("prefill", "decode")))
 
 
 # ---- mutants ----------------------------------------------------------------------------

@@ -1,0 +1,163 @@
+"""Capture: what a run produced, per request, as hashes (and tensors when asked).
+
+A Capture is an engine observer (the same four methods the optimized stack's engine and
+the verifier's sequential runner call):
+- on_logits(request, start_pos, rows [n, V])  -> one hash per position's full fp32 row
+- on_kda_state(request, num_tokens, layer, state) -> hashes of recurrent state and conv windows
+- on_finish(request, result, mla_rows {layer: [S, R]}) -> the token stream and MLA row hashes
+- on_step(step, scheduled)                   -> step count
+
+Hash by default (cheap); `keep=True` also keeps the tensors, which the comparator needs
+to turn a hash mismatch into ULP / KL findings. Beside every hash the capture records the
+tensor's first non-finite element (k3verify.capture.nonfinite: one reduction per tensor, one per
+logits block), because a hash cannot tell a NaN row from a good one. A run the
+sampler stopped (a NaN / +inf row it refuses to pick a token from) keeps what it captured
+and says why in `stopped`. The file format is versioned JSON: v2 adds "finite_checked",
+"stopped" and per request "nonfinite" (only the non-finite items); v1 files (golden
+hashes recorded before v2) still load, with finiteness unknown.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from k3verify.capture.nonfinite import NonFinite, first_nonfinite
+from k3verify.compare.tensors import hash_tensor
+from k3verify.io import atomic_write_json
+
+CAPTURE_FORMAT = "k3verify.capture"
+CAPTURE_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+KDA_TENSORS = ("recurrent", "conv_q", "conv_k", "conv_v")
+
+
+@dataclass
+class Item:
+    """One captured tensor: its hash, its first non-finite element (None: all finite, or
+    not recorded when the capture's finite_checked is False) and, when kept, the tensor."""
+
+    digest: str
+    tensor: torch.Tensor | None = None
+    nonfinite: NonFinite | None = None
+
+
+@dataclass
+class RequestCapture:
+    request_id: str
+    prompt_len: int = 0
+    tokens: list[int] = field(default_factory=list)              # generated tokens
+    finish_reason: str | None = None
+    logits: dict[int, Item] = field(default_factory=dict)        # position -> row
+    kda: dict[int, dict[tuple[int, str], Item]] = field(default_factory=dict)   # num_tokens -> (layer, tensor)
+    mla: dict[int, Item] = field(default_factory=dict)           # layer -> all rows at finish
+
+
+class Capture:
+    """Collects hashes (and optionally tensors) of every logit row and state point of a run."""
+
+    def __init__(self, *, keep: bool = False, label: str = ""):
+        self.keep = keep
+        self.label = label
+        self.requests: dict[str, RequestCapture] = {}
+        self.steps = 0
+        self.finite_checked = True          # False: loaded from a v1 file, finiteness unknown
+        self.stopped: str | None = None     # why the run stopped early (the sampler refused a row)
+
+    def _item(self, t: torch.Tensor, check: bool = True) -> Item:
+        t = t.detach()
+        return Item(hash_tensor(t), t.clone().cpu() if self.keep else None,
+                    first_nonfinite(t) if check else None)
+
+    def request(self, request_id: str) -> RequestCapture:
+        if request_id not in self.requests:
+            self.requests[request_id] = RequestCapture(request_id)
+        return self.requests[request_id]
+
+    # ---- observer API -----------------------------------------------------------------
+    def on_request(self, request_id: str, prompt_len: int) -> None:
+        self.request(request_id).prompt_len = prompt_len
+
+    def on_logits(self, request_id: str, start_pos: int, rows: torch.Tensor) -> None:
+        rc = self.request(request_id)
+        block_finite = first_nonfinite(rows) is None            # one reduction for the [n, V] block
+        for i in range(rows.shape[0]):
+            rc.logits[start_pos + i] = self._item(rows[i], check=not block_finite)
+
+    def on_kda_state(self, request_id: str, num_tokens: int, layer: int, state: Any) -> None:
+        point = self.request(request_id).kda.setdefault(num_tokens, {})
+        for name in KDA_TENSORS:
+            point[(layer, name)] = self._item(getattr(state, name))
+
+    def on_finish(self, request_id: str, result: Any, mla_rows: dict[int, torch.Tensor]) -> None:
+        rc = self.request(request_id)
+        rc.tokens = [int(t) for t in result.tokens]
+        rc.finish_reason = getattr(result, "finish_reason", None)
+        if not rc.prompt_len:
+            rc.prompt_len = len(result.prompt_ids)
+        for layer, rows in mla_rows.items():
+            rc.mla[layer] = self._item(rows)
+
+    def on_step(self, step_index: int, scheduled: list) -> None:
+        self.steps += 1
+
+    # ---- file format ----------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": CAPTURE_FORMAT, "version": CAPTURE_VERSION, "label": self.label,
+            "steps": self.steps, "finite_checked": self.finite_checked, "stopped": self.stopped,
+            "requests": {
+                rid: {"prompt_len": rc.prompt_len, "tokens": rc.tokens, "finish_reason": rc.finish_reason,
+                      "logits": {str(p): it.digest for p, it in sorted(rc.logits.items())},
+                      "kda": {str(n): {f"{layer}:{name}": it.digest for (layer, name), it in sorted(pt.items())}
+                              for n, pt in sorted(rc.kda.items())},
+                      "mla": {str(layer): it.digest for layer, it in sorted(rc.mla.items())},
+                      "nonfinite": _nonfinite_json(rc)}
+                for rid, rc in self.requests.items()},
+        }
+
+    def save(self, path: str | Path) -> Path:
+        return atomic_write_json(path, self.to_json())
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "Capture":
+        version = data.get("version")
+        if data.get("format") != CAPTURE_FORMAT or version not in READABLE_VERSIONS:
+            raise ValueError(f"capture: expected format {CAPTURE_FORMAT} v{CAPTURE_VERSION} (or v1), "
+                             f"got {data.get('format')!r} v{version!r}")
+        cap = cls(label=data.get("label", ""))
+        cap.steps = data.get("steps", 0)
+        cap.finite_checked = version >= 2 and bool(data.get("finite_checked", True))
+        cap.stopped = data.get("stopped")
+        for rid, r in data["requests"].items():
+            rc = cap.request(rid)
+            rc.prompt_len, rc.tokens, rc.finish_reason = r["prompt_len"], r["tokens"], r["finish_reason"]
+            nf = r.get("nonfinite", {})
+            rc.logits = {int(p): Item(d, nonfinite=_nf(nf.get("logits", {}).get(p))) for p, d in r["logits"].items()}
+            for n, pt in r["kda"].items():
+                marks = nf.get("kda", {}).get(n, {})
+                rc.kda[int(n)] = {(int(k.split(":")[0]), k.split(":")[1]): Item(d, nonfinite=_nf(marks.get(k)))
+                                  for k, d in pt.items()}
+            rc.mla = {int(layer): Item(d, nonfinite=_nf(nf.get("mla", {}).get(layer)))
+                      for layer, d in r["mla"].items()}
+        return cap
+
+
+def _nf(d: dict[str, Any] | None) -> NonFinite | None:
+    return None if d is None else NonFinite.from_json(d)
+
+
+def _nonfinite_json(rc: RequestCapture) -> dict[str, Any]:
+    """Only the non-finite items (a finite run writes {}), keyed like the digests."""
+    out: dict[str, Any] = {}
+    logits = {str(p): it.nonfinite.to_json() for p, it in sorted(rc.logits.items()) if it.nonfinite}
+    kda = {str(n): marks for n, pt in sorted(rc.kda.items())
+           if (marks := {f"{layer}:{name}": it.nonfinite.to_json()
+                         for (layer, name), it in sorted(pt.items()) if it.nonfinite})}
+    mla = {str(layer): it.nonfinite.to_json() for layer, it in sorted(rc.mla.items()) if it.nonfinite}
+    for key, value in (("logits", logits), ("kda", kda), ("mla", mla)):
+        if value:
+            out[key] = value
+    return out

@@ -1,0 +1,66 @@
+"""The one statistic behind every A/B speed ratio in k3verify (bench, the GPU run, the TP
+section, the engine benchmark).
+
+Runs are interleaved in one process (reference, candidate, then the other order next repeat,
+to cancel drift), after a warm-up pair that is not timed. The speedup is the geometric mean of
+the per-pair ratios time_ref / time_cand, with a 95% t-interval on the log ratios.
+
+Why the geometric mean of pair ratios, not the median (engine/bench.py used the median, the
+other three the geometric mean): a ratio lives on a log scale (2x faster and 2x slower must
+average to 1), pairing cancels the machine's drift between the two runs of a pair, and the
+log-ratio mean comes with an interval, which is what lets a report say whether a speedup is
+distinguishable from 1 at all. With the 3-5 pairs a CPU run affords, a median has no usable
+interval; an outlier pair widens the interval instead of hiding in the middle, which is the
+honest signal on a shared machine. Medians are still reported for the tokens/s columns.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+# two-sided 95% t quantiles by degrees of freedom (1..30); normal beyond
+_T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+        2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
+        2.052, 2.048, 2.045, 2.042]
+
+
+@dataclass
+class ABResult:
+    label_a: str
+    label_b: str
+    times_a: list[float]
+    times_b: list[float]
+    tokens: int
+    ratio: float = field(init=False)          # time_a / time_b: > 1 means b is faster
+    ci_low: float = field(init=False)
+    ci_high: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        logs = [math.log(a / b) for a, b in zip(self.times_a, self.times_b)]
+        mean = statistics.fmean(logs)
+        n = len(logs)
+        half = 0.0 if n < 2 else (_T95[min(n - 2, 29)] if n - 1 <= 30 else 1.96) * statistics.stdev(logs) / math.sqrt(n)
+        self.ratio, self.ci_low, self.ci_high = math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"a": self.label_a, "b": self.label_b, "ratio": self.ratio, "ci95": [self.ci_low, self.ci_high],
+                "median_s_a": statistics.median(self.times_a), "median_s_b": statistics.median(self.times_b),
+                "tokens_per_s_a": self.tokens / statistics.median(self.times_a),
+                "tokens_per_s_b": self.tokens / statistics.median(self.times_b),
+                "repeats": len(self.times_a), "tokens": self.tokens}
+
+
+def interleaved(run_a: Callable[[], Any], run_b: Callable[[], Any], *, repeats: int, tokens: int,
+                labels: tuple[str, str] = ("reference", "candidate")) -> ABResult:
+    run_a(), run_b()                                        # warm-up, not timed
+    ta, tb = [], []
+    for i in range(repeats):
+        order = (("a", run_a), ("b", run_b)) if i % 2 == 0 else (("b", run_b), ("a", run_a))
+        for which, fn in order:
+            t0 = time.perf_counter()
+            fn()
+            (ta if which == "a" else tb).append(time.perf_counter() - t0)
+    return ABResult(labels[0], labels[1], ta, tb, tokens)

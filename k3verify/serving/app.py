@@ -1,0 +1,249 @@
+"""An OpenAI-compatible server over a TextBackend (by default the embedded engine).
+
+Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions
+(streamed over SSE or not), POST /tokenize (vLLM's shape: count, tokens).
+Requests are held to K3's API contract as the Kimi Vendor Verifier checks it
+(check_* in serving/validation.py); a bad request gets HTTP 400 with a one-line reason and the
+server keeps serving. `enforce_contract=False` turns the K3-specific rules off
+(sampling values clamped, tools and formats not judged, no constraints) and
+exists only as the negative control for the checks in k3verify/evals/kvv.py.
+
+Robustness (issue 16): one worker thread owns the backend and takes requests from a bounded
+queue (serving/worker.py); past --max-queue a request gets 429 with Retry-After, never a hang.
+A request whose client disconnects is cancelled within one forward, streamed or not. Bodies
+past --max-body-bytes get 413; nesting past 64 levels, unknown parameters, prompts past
+--max-prompt-tokens and prompt + max_tokens past --max-model-len get 400. GET /health is
+readiness (200 only if the worker is alive and not wedged), apart from /v1/models.
+
+Structured output is real, not simulated: response_format json_object/json_schema
+and tool_choice required/named run a token constraint (backends/base.py), so the
+model's own logits choose among grammar-legal tokens. Schema coverage: type,
+properties (all emitted, in order), required, enum, const, items, min/maxItems,
+min/maxLength, anyOf/oneOf/allOf (first branch); numeric bounds, pattern and
+format are not enforced.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from k3verify.serving.backends.base import (MAX_TOP_LOGPROBS, BanConstraint, CompletionParams, ProgramConstraint,
+                                            TextBackend, json_object_program, tool_call_program)
+from k3verify.serving.generation import Generation, chat_logprobs, completion_logprobs
+from k3verify.serving.http import (ClientGone, JobStream, collect, error_body, error_response, gone_response, read_body,
+                                   sse, submit)
+from k3verify.serving.validation import (CHAT_PARAMS, COMPLETION_PARAMS, RequestError, ServeLimits, _fail,
+                                         check_context, check_known_params, check_messages, check_response_format,
+                                         check_sampling, check_stop, check_stream, check_tool_choice, check_tools,
+                                         parse_json_object)
+from k3verify.serving.worker import GenerationWorker, JobCancelled
+from optimized_stack.errors import K3Error
+
+# ---------------------------------------------------------------------------
+# The app
+# ---------------------------------------------------------------------------
+
+def create_app(backend: TextBackend, tokenizer, model_name: str = "k3-mini", enforce_contract: bool = True,
+               limits: ServeLimits = ServeLimits()):
+    """FastAPI app over `backend`, which from now on only app.state.worker calls.
+    enforce_contract=False is the KVV negative control only."""
+    app = FastAPI(title="k3verify serve")
+    worker = app.state.worker = GenerationWorker(limits.max_queue, limits.stall_s)
+    app.state.model_name = model_name
+    unit_ids = {chr(b): tokenizer.encode(chr(b))[0] for b in range(32, 127)}
+    unit_ids.update({s: tokenizer.token_id(s) for s in tokenizer.specials})
+    vocab_size = tokenizer.vocab_size
+    chat_stops = (tokenizer.im_end_id, tokenizer.eos_id)
+    created = int(time.time())
+
+    async def read_json(request: Request, allowed: frozenset | None = None) -> dict:
+        body = parse_json_object(await read_body(request, limits.max_body_bytes), limits.max_json_depth)
+        model = body.get("model")
+        if model is not None and model != model_name:
+            raise RequestError(f"model {model!r} is not served here; this server serves {model_name!r}", "model", 404)
+        if allowed is not None:
+            check_known_params(body, allowed, request.url.path)
+        return body
+
+    @app.exception_handler(RequestError)
+    async def _request_error(request, exc: RequestError):
+        return error_response(exc)
+
+    @app.exception_handler(K3Error)
+    async def _k3_error(request, exc: K3Error):
+        return JSONResponse(status_code=400, content=error_body(str(exc), 400))
+
+    @app.exception_handler(JobCancelled)
+    async def _cancelled(request, exc: JobCancelled):  # a whole answer cut short by shutdown
+        return error_response(RequestError(f"generation cancelled: {exc}", None, 503, "cancelled",
+                                           {"Retry-After": "5"}))
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request, exc: ClientGone):  # nobody reads this; it keeps the access log honest
+        return gone_response()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "k3verify"}]}
+
+    @app.get("/health")
+    async def health():
+        probe = Generation(backend, tokenizer, tokenizer.encode("ok"), CompletionParams(max_tokens=1))
+        ok, detail = await worker.ready(probe, limits.probe_timeout_s)
+        return JSONResponse(status_code=200 if ok else 503, content={"status": "ok" if ok else "unavailable",
+                                                                     **detail})
+
+    def chat_prompt(body: dict) -> tuple[list[int], list[dict]]:
+        if not enforce_contract:  # negative control: drop whatever tools arrive instead of judging them
+            messages = [{k: v for k, v in m.items() if k != "tools"} if isinstance(m, dict) else m
+                        for m in body.get("messages") or []]
+            tools = body.get("tools") if isinstance(body.get("tools"), list) else None
+            return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True), []
+        messages, dynamic = check_messages(body.get("messages"))
+        tools = check_tools(body["tools"], "tools") if body.get("tools") is not None else []
+        names = [t["function"]["name"] for t in tools + dynamic]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            _fail(f"tool names must be unique across tools and dynamic declarations, got duplicates {dup}", "tools")
+        return tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True), tools + dynamic
+
+    @app.post("/tokenize")
+    @app.post("/v1/tokenize")  # alias, so clients holding the /v1 base URL find it too
+    async def tokenize(request: Request):
+        body = await read_json(request)
+        if "messages" in body:
+            ids, _ = chat_prompt(body)
+        elif isinstance(body.get("prompt"), str):
+            ids = tokenizer.encode(body["prompt"])
+        else:
+            _fail("tokenize needs 'prompt' (a string) or 'messages'", "prompt")
+        return {"count": len(ids), "tokens": ids, "max_model_len": limits.max_model_len}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await read_json(request, CHAT_PARAMS)
+        prompt_ids, tools = chat_prompt(body)
+        stream, include_usage = check_stream(body)
+        stops = check_stop(body)
+        want_logprobs = body.get("logprobs", False)
+        if not isinstance(want_logprobs, bool):
+            _fail(f"logprobs must be a boolean for chat completions, got {want_logprobs!r}", "logprobs")
+        top = body.get("top_logprobs")
+        if top is not None and (not want_logprobs or isinstance(top, bool) or not isinstance(top, int)
+                                or not 0 <= top <= MAX_TOP_LOGPROBS):
+            _fail(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] with logprobs true, got {top!r}",
+                  "top_logprobs")
+        params = check_sampling(body, enforce_contract, (top or 0) if want_logprobs else None, chat_stops)
+        check_context(len(prompt_ids), params.max_tokens, limits, "messages")
+        constraint = None
+        if enforce_contract:
+            forced = check_tool_choice(body.get("tool_choice"), tools)
+            fmt, schema = check_response_format(body.get("response_format"))
+            if forced not in (None, "none") and fmt != "text":
+                _fail("response_format json output cannot be combined with a forced tool call", "response_format")
+            prior_calls = sum(len(m.get("tool_calls") or []) for m in body["messages"] if isinstance(m, dict))
+            if forced not in (None, "none"):
+                constraint = ProgramConstraint(tool_call_program(tools, forced, prior_calls), unit_ids)
+            elif fmt != "text":
+                constraint = ProgramConstraint(json_object_program(schema), unit_ids)
+            elif forced == "none" or not tools:
+                constraint = BanConstraint(vocab_size, {tokenizer.token_id("<|tool_calls_section_begin|>")})
+        gen = Generation(backend, tokenizer, prompt_ids, params, constraint, stops, chat=True)
+        job = submit(worker, gen)
+        rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": rid, "created": now, "model": model_name}
+
+        if not stream:
+            pieces = await collect(worker, job, request)
+            text, events = "".join(t for t, _ in pieces), [e for _, evs in pieces for e in evs]
+            message = {"role": "assistant", "content": text if text or not gen.tool_calls else None}
+            if gen.tool_calls:
+                message["tool_calls"] = gen.tool_calls
+            choice_ = {"index": 0, "message": message, "finish_reason": gen.finish_reason,
+                       "logprobs": {"content": chat_logprobs(tokenizer, events)} if want_logprobs else None}
+            return {**head, "object": "chat.completion", "choices": [choice_], "usage": gen.usage()}
+
+        def chunk(delta, finish=None, logprobs=None):
+            c = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+            return sse({**head, "object": "chat.completion.chunk", "choices": [c],
+                        **({"usage": None} if include_usage else {})})
+
+        async def events_stream():
+            yield chunk({"role": "assistant", "content": ""})
+            try:
+                async for text, events in job.pieces():
+                    lp = {"content": chat_logprobs(tokenizer, events)} if want_logprobs else None
+                    yield chunk({"content": text}, logprobs=lp)
+            except Exception as e:  # cancelled by shutdown, or the backend failed: say so, no [DONE]
+                yield sse(error_body(f"generation ended early: {e}", 503, code="cancelled"))
+                return
+            if gen.tool_calls:
+                yield chunk({"tool_calls": [{"index": i, **c} for i, c in enumerate(gen.tool_calls)]})
+            yield chunk({}, finish=gen.finish_reason)
+            if include_usage:
+                yield sse({**head, "object": "chat.completion.chunk", "choices": [], "usage": gen.usage()})
+            yield "data: [DONE]\n\n"
+        return JobStream(events_stream(), worker, job)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await read_json(request, COMPLETION_PARAMS)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str) and prompt:
+            prompt_ids = tokenizer.encode(prompt)
+        elif isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
+            if not all(0 <= i < vocab_size for i in prompt):
+                _fail(f"prompt token ids must be in [0, {vocab_size})", "prompt")
+            prompt_ids = list(prompt)
+        else:
+            _fail("prompt must be a non-empty string or a non-empty list of token ids (one prompt per request)",
+                  "prompt")
+        stream, include_usage = check_stream(body)
+        stops = check_stop(body)
+        logprobs = body.get("logprobs")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                     or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
+            _fail(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] for completions, got {logprobs!r}",
+                  "logprobs")
+        if body.get("echo"):
+            _fail("echo is not supported by this server", "echo")
+        params = check_sampling(body, enforce_contract, logprobs, (tokenizer.eos_id,))
+        check_context(len(prompt_ids), params.max_tokens, limits, "prompt")
+        gen = Generation(backend, tokenizer, prompt_ids, params, None, stops)
+        job = submit(worker, gen)
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_name}
+
+        if not stream:
+            pieces = await collect(worker, job, request)
+            text = "".join(t for t, _ in pieces)
+            events = [e for _, evs in pieces for e in evs]
+            choice_ = {"index": 0, "text": text, "finish_reason": gen.finish_reason,
+                       "logprobs": completion_logprobs(tokenizer, events, 0) if logprobs is not None else None}
+            return {**head, "object": "text_completion", "choices": [choice_], "usage": gen.usage()}
+
+        async def events_stream():
+            offset = 0
+            try:
+                async for text, events in job.pieces():
+                    lp = completion_logprobs(tokenizer, events, offset) if logprobs is not None else None
+                    offset += len(text)
+                    yield sse({**head, "object": "text_completion",
+                               "choices": [{"index": 0, "text": text, "finish_reason": None, "logprobs": lp}]})
+            except Exception as e:
+                yield sse(error_body(f"generation ended early: {e}", 503, code="cancelled"))
+                return
+            yield sse({**head, "object": "text_completion",
+                       "choices": [{"index": 0, "text": "", "finish_reason": gen.finish_reason, "logprobs": None}]})
+            if include_usage:
+                yield sse({**head, "object": "text_completion", "choices": [], "usage": gen.usage()})
+            yield "data: [DONE]\n\n"
+        return JobStream(events_stream(), worker, job)
+
+    return app

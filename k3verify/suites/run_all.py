@@ -1,0 +1,147 @@
+"""`k3verify all`: run every unit of a suite through its check kind, one file per finished
+unit, then one report (suites/verdicts.py).
+
+Run directory (reports/<run-id>/ or --report-dir):
+    plan.json             the suite text, model and the expanded units, written first
+    checks/NNN-<id>.json  one per finished unit, written atomically: a unit is done
+                          exactly when its file exists, so --resume after kill -9
+                          skips finished units and runs each unit at most once more
+    gates/<unit>/         each quality-gate unit's results as a report of their own
+    toggles/<name>/       a diff report per toggle (what a verdict links to)
+    report.*              the combined report (json, md, html, junit), written last
+
+Every unit runs through kinds.run(unit, ctx), exactly as the kind's own command runs it;
+all units share one Context (the model, the scenario runners with their cached reference
+captures, one per world size). A unit that crashes is an error result and the run goes on;
+a quality gate that could not start (an endpoint that does not answer) is one too.
+"""
+from __future__ import annotations
+
+import json
+import time
+import traceback
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+from k3verify import kinds
+from k3verify.compare import golden
+from k3verify.errors import UsageError
+from k3verify.io import atomic_write_json, make_dir
+from k3verify.kinds.base import QUALITY_KINDS, Context, Unit
+from k3verify.report import build_report, write_report
+from k3verify.suites.suite import Suite, expand
+from k3verify.verdict.result import Result, Subject
+from optimized_stack.errors import K3Error
+
+PLAN_FORMAT = "k3verify.all-plan"
+PLAN_VERSION = 2           # v2: units are the check kinds' (kinds/base.py Unit), options as suite v2 keys
+
+
+def unit_path(run_dir: Path, unit: Unit) -> Path:
+    return run_dir / "checks" / f"{unit.id}.json"
+
+
+def finished(run_dir: Path, unit: Unit) -> list[dict] | None:
+    """The unit's results if its file is complete and belongs to this unit, else None."""
+    p = unit_path(run_dir, unit)
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, ValueError):                 # also a file cut short or not UTF-8: not finished
+        return None
+    mine = isinstance(data, dict) and isinstance(data.get("unit"), dict) and data["unit"].get("id") == unit.id
+    return data["results"] if mine else None
+
+
+def new_plan(suite: Suite, model_arg: str | None, model, run_id: str, command: str) -> dict[str, Any]:
+    return {"format": PLAN_FORMAT, "version": PLAN_VERSION, "run_id": run_id, "command": command,
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "model": model_arg,
+            "model_id": golden.model_id(model), "suite": suite.to_dict(), "suite_text": suite.text,
+            "units": [u.to_dict() for u in expand(suite)]}
+
+
+def plan_units(plan: dict) -> list[Unit]:
+    return [Unit.from_dict(u) for u in plan["units"]]
+
+
+def load_plan(run_dir: Path) -> dict[str, Any]:
+    p = run_dir / "plan.json"
+    try:
+        plan = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, ValueError):                 # ValueError: not JSON, or not UTF-8
+        raise UsageError(f"cannot resume: no readable plan at {p} (expected a run directory of `k3verify all`)") from None
+    if not isinstance(plan, dict) or plan.get("format") != PLAN_FORMAT or plan.get("version") != PLAN_VERSION:
+        got = f"{plan.get('format')!r} v{plan.get('version')}" if isinstance(plan, dict) else type(plan).__name__
+        raise UsageError(f"cannot resume {p}: expected {PLAN_FORMAT} v{PLAN_VERSION}, got {got} (a plan written "
+                         f"by another k3verify: run the suite again)")
+    return plan
+
+
+def check_model(plan: dict, model) -> None:
+    mid = golden.model_id(model)
+    if mid != plan["model_id"]:
+        raise UsageError(f"cannot resume {plan['run_id']}: it ran on model {plan['model_id'][:30]}, "
+                         f"this is {mid[:30]} (weights changed?)")
+
+
+def _subject(toggle: str | None) -> Subject:
+    try:
+        return Subject.of_optional(toggle) if toggle else Subject("(reference)")
+    except K3Error:
+        return Subject(toggle)
+
+
+def run_unit(unit: Unit, ctx: Context) -> list[Result]:
+    """kinds.run, with a crash turned into an error result (the run goes on)."""
+    try:
+        return kinds.run(unit, ctx)
+    except (UsageError, K3Error) as exc:
+        if unit.kind not in QUALITY_KINDS:       # bad input to a contract check: the run cannot be made
+            raise
+        return [Result.errored(_subject(unit.toggle), unit.kind, f"{unit.kind} could not run: {exc}"[:400],
+                               scenario=unit.scenario, gate=unit.kind)]
+    except Exception as exc:  # noqa: BLE001 - a crashing check is an error result, the run goes on
+        return [Result.errored(_subject(unit.toggle), unit.kind, f"{type(exc).__name__}: {exc}"[:400],
+                               scenario=unit.scenario, traceback=traceback.format_exc()[-4000:])]
+
+
+def execute(plan: dict, model, run_dir: Path, *, display=None, load_options: dict | None = None,
+            after_unit: Callable[[Unit], None] | None = None) -> tuple[list[dict], int]:
+    """Run the plan's unfinished units; returns (all results in plan order, units run now)."""
+    make_dir(run_dir)
+    if not (run_dir / "plan.json").is_file():
+        atomic_write_json(run_dir / "plan.json", plan)
+    per_unit: list[list[dict]] = []
+    ran = 0
+    with Context(model, model_arg=plan["model"], run_dir=run_dir, progress=display,
+                 load_options=load_options) as ctx:
+        for unit in plan_units(plan):
+            rows = finished(run_dir, unit)
+            if rows is None:
+                if display:
+                    display.start(unit)
+                t0 = time.perf_counter()
+                rows = [r.tag(unit=unit.id, suite_check=unit.check).to_dict() for r in run_unit(unit, ctx)]
+                if unit.kind in QUALITY_KINDS:
+                    _gate_report(plan, run_dir, unit, rows)
+                atomic_write_json(unit_path(run_dir, unit), {"unit": unit.to_dict(), "results": rows,
+                                                             "duration_s": time.perf_counter() - t0,
+                                                             "finished": datetime.now(timezone.utc).isoformat()})
+                ran += 1
+                if after_unit:
+                    after_unit(unit)
+            if display:
+                display.unit_done(unit, rows)
+            per_unit.append(rows)
+    return [r for rows in per_unit for r in rows], ran
+
+
+def _gate_report(plan: dict, run_dir: Path, unit: Unit, rows: list[dict]) -> None:
+    """gates/<unit>/: the gate unit's results as a report of its own. Its run id is derived from
+    the plan's and the unit's, so a unit interrupted after writing it and run again on resume
+    writes the same run's report (a leftover of another run is refused: claim_report_dir)."""
+    out = run_dir / "gates" / unit.id
+    rel = str((out / "report.md").relative_to(run_dir))
+    for r in rows:
+        r["gate_report"] = rel
+    write_report(out, build_report(f"{plan['run_id']}-{unit.id}", f"{plan['command']}  # unit {unit.id}", {}, rows))

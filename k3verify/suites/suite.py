@@ -1,0 +1,140 @@
+"""Check suites as data: checks/<name>.toml, loaded, validated and expanded into work units.
+
+A suite file:
+
+    version = 2                      # SUITE_VERSION; anything else is refused
+    description = "..."
+    [[check]]
+    kind = "diff"                    # a check kind (kinds/__init__.py)
+    toggles = "all-exact"            # a selector (all, all-exact, all-approx) or a list of toggle names
+    scenarios = ["single"]
+    scale = 0.25
+
+Every key of a check other than kind / name / description is one of its kind's OPTIONS
+(kinds/<kind>.py), and validation is the kind's own: an unknown kind, key, toggle or
+scenario is a one-line UsageError (exit 2) with a "did you mean", and so is every value the
+run itself would refuse (a needle length too short for its needles, limit = 0, repeats = 1,
+a base_url without a host), all before any work. Version 2 names every option as a key
+(version 1 passed some as command-line words in `args`). Selectors resolve against the
+toggle registry at expansion time, so a toggle that lands with its contract is in every
+suite that says "all-exact" without editing the file.
+
+Expansion is each kind's plan(): the check's units, the smallest piece `k3verify all` runs
+and records on its own (one file per unit, so a resumed run skips finished units):
+diff/drift -> one unit per (toggle, scenario); selftest -> one per registry entry;
+gsm8k/needle/bench -> one per toggle (or one reference run when the check names no
+toggles); golden/kvv -> one.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from k3verify import REPO_ROOT, kinds
+from k3verify.errors import UsageError
+from k3verify.kinds.base import COMMON_KEYS, CheckSpec, Unit, hint
+
+SUITE_VERSION = 2
+CHECKS_DIR = REPO_ROOT / "checks"
+_TOP_KEYS = ["version", "description", "check", "name"]
+V1_MOVED = ("version 1 passed options as command-line words in `args`; version 2 names each as a key "
+            "(gsm8k: num_fewshot, max_new_tokens, smoke, ...; needle: samples, distractors, ...; "
+            "bench: workload, scale, repeats): see checks/README.md")
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    version: int
+    description: str
+    checks: tuple[CheckSpec, ...]
+    path: str
+    sha256: str
+    text: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "version": self.version, "description": self.description,
+                "path": self.path, "sha256": self.sha256,
+                "checks": [{"index": c.index, "kind": c.kind, "name": c.name, "options": dict(c.options)}
+                           for c in self.checks]}
+
+
+def builtin_suites() -> list[str]:
+    return sorted(p.stem for p in CHECKS_DIR.glob("*.toml"))
+
+
+def suite_path(name_or_path: str) -> Path:
+    """'premerge' -> checks/premerge.toml; anything that names an existing file -> that file."""
+    p = Path(name_or_path)
+    if p.is_file():
+        return p
+    builtin = CHECKS_DIR / f"{name_or_path}.toml"
+    if builtin.is_file():
+        return builtin
+    raise UsageError(f"unknown suite {name_or_path!r}{hint(name_or_path, builtin_suites())}; "
+                     f"pass a built-in name or a path to a .toml suite file")
+
+
+def parse_suite(text: str, name: str = "<suite>", path: str = "<string>") -> Suite:
+    """Validate suite TOML text; every problem is one UsageError line naming the file and check."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"{path}: not valid TOML ({exc})") from None
+    unknown = sorted(set(data) - set(_TOP_KEYS))
+    if unknown:
+        raise UsageError(f"{path}: unknown top-level key {unknown[0]!r}{hint(unknown[0], _TOP_KEYS)}")
+    if "version" not in data:
+        raise UsageError(f"{path}: missing 'version' (expected version = {SUITE_VERSION})")
+    if data["version"] != SUITE_VERSION:
+        moved = f"; {V1_MOVED}" if data["version"] == 1 else ""
+        raise UsageError(f"{path}: version must be {SUITE_VERSION}, got {data['version']!r}{moved}")
+    raw = data.get("check")
+    if not isinstance(raw, list) or not raw:
+        raise UsageError(f"{path}: expected at least one [[check]] table, got {type(raw).__name__ if raw else 'none'}")
+    checks, names = [], set()
+    for i, c in enumerate(raw, 1):
+        where = f"{path}: check {i}"
+        if not isinstance(c, dict) or "kind" not in c:
+            raise UsageError(f"{where}: every [[check]] needs kind = one of {', '.join(kinds.names())}")
+        options = {k: v for k, v in c.items() if k not in COMMON_KEYS}
+        cname = str(c.get("name") or c["kind"])
+        if cname in names:
+            cname = f"{cname}-{i}"
+        names.add(cname)
+        checks.append(CheckSpec(c["kind"], cname, options, index=i, description=str(c.get("description", "")),
+                                where=where))
+    return Suite(name=str(data.get("name", name)), version=data["version"],
+                 description=str(data.get("description", "")), checks=tuple(checks), path=path,
+                 sha256=hashlib.sha256(text.encode()).hexdigest(), text=text)
+
+
+def load_suite(name_or_path: str) -> Suite:
+    p = suite_path(name_or_path)
+    raw = p.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{p}: a suite is UTF-8 TOML text; byte 0x{raw[exc.start]:02x} at offset {exc.start} "
+                         f"is not UTF-8") from None
+    return parse_suite(text, name=p.stem, path=str(p))
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)[:60]
+
+
+def expand(suite: Suite) -> list[Unit]:
+    """The suite as an ordered list of units, each with its id `NNN-<check>-<toggle>-<scenario>`
+    (the name of the file a finished unit leaves)."""
+    units: list[Unit] = []
+    for check in suite.checks:
+        for u in kinds.plan(check):
+            label = "-".join(_slug(x) for x in (u.check, u.toggle, u.scenario) if x)
+            units.append(Unit(u.kind, u.check, u.options, u.toggle, u.scenario, u.note, u.check_index,
+                              id=f"{len(units) + 1:03d}-{label}"))
+    return units

@@ -1,0 +1,140 @@
+"""The combined report of `k3verify all`: a verdict per optimization toggle, a status per suite
+check, the negative controls, and the per-toggle reports the verdicts link to.
+
+Verdict per optimization toggle (mutants are negative controls, not verdicts):
+- rejected: a contract check failed or errored (which check, first divergence, link);
+- counted:  its contract held: every check that ran passed, and for an approx toggle
+            every quality gate its contract names passed too (a gate passes when one of
+            its results passed, none was inconclusive, and it was not only a smoke test);
+            the bench speedup (if measured) is counted;
+- skipped:  not counted: nothing proved the contract here (skipped or not exercised), or a
+            quality gate was inconclusive or ran only as a smoke test (the reasons).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from k3verify.compare import golden
+from k3verify.io import atomic_write_json, atomic_write_text
+from k3verify.report import build_report, environment_fingerprint, validate_report, write_report
+from k3verify.verdict.result import STATUSES
+from optimized_stack import toggles as toggle_registry
+from optimized_stack.errors import K3Error
+
+# a check's status over its units: the first of these any unit has (a not-exercised unit keeps
+# a check from passing; skip only when every unit skipped)
+_PRECEDENCE = ("error", "fail", "inconclusive", "not_exercised", "pass")
+
+
+def _status_of(rows: list[dict]) -> str:
+    statuses = {r["status"] for r in rows}
+    return next((s for s in _PRECEDENCE if s in statuses), "skip")
+
+
+def _reasons(rows: list[dict], status: str = "skip") -> str:
+    return "; ".join(dict.fromkeys(r["reason"] for r in rows if r["status"] == status))
+
+
+def toggle_verdicts(results: list[dict]) -> list[dict]:
+    """One verdict per optimization toggle that appears in the results (see module docstring)."""
+    names = list(dict.fromkeys(r["toggle"] for r in results if r["kind"] == "optimization"))
+    out = []
+    for name in names:
+        try:
+            t = toggle_registry.get(name)
+        except K3Error:
+            continue                                    # "(reference)", "reference": gates, not toggles
+        rows = [r for r in results if r["toggle"] == name]
+        contract_rows = [r for r in rows if not r.get("gate") and r["check"] != "bench"]
+        gate_rows = [r for r in rows if r.get("gate")]
+        bench = [r for r in rows if r["check"] == "bench" and r.get("speedup")]
+        v = {"toggle": name, "contract": t.contract.describe(), "verdict": "skipped", "reason": "",
+             "checks": {s: sum(r["status"] == s for r in rows) for s in STATUSES},
+             "scenarios": sorted({r["scenario"] for r in contract_rows if r["scenario"] and r["status"] == "pass"}),
+             "speedup": None, "failed_check": None, "first_divergence": None, "localization": None,
+             "report": f"toggles/{name}/report.md"}
+        bad = [r for r in contract_rows + gate_rows if r["status"] in ("fail", "error")]
+        passed = [r for r in contract_rows if r["status"] == "pass"]
+        if bad:
+            b = bad[0]
+            where = b.get("scenario") or b.get("gate") or "its check"
+            v.update(verdict="rejected", failed_check=b["check"], first_divergence=b.get("first_divergence"),
+                     localization=b.get("localization"),
+                     reason=f"{b['check']} {'errored' if b['status'] == 'error' else 'failed'} on {where}: {b['reason']}")
+        elif not passed:
+            v["reason"] = (_reasons(contract_rows) or _reasons(contract_rows, "not_exercised")
+                           or "no check in this suite ran its contract")
+        else:
+            missing = []
+            for g in t.contract.quality if t.contract.kind == "approx" else ():
+                mine = [r for r in gate_rows if r["gate"] == g]
+                counting = [r for r in mine if r.get("role") != "smoke"]   # a smoke test never proves a gate
+                undecided = [r for r in counting if r["status"] == "inconclusive"]
+                # the paired verdict's own line, not the whole evidence paragraph of a gsm8k reason
+                short = "; ".join(dict.fromkeys(
+                    r["accuracy"].get("verdict_reason", r["reason"]) if isinstance(r.get("accuracy"), dict)
+                    else r["reason"] for r in (undecided or mine)))
+                if undecided:
+                    missing.append(f"{g} inconclusive ({short})")
+                elif any(r["status"] == "pass" for r in counting):
+                    continue
+                elif mine and not counting:
+                    missing.append(f"{g} ran only as a smoke test, which counts toward no verdict ({short})")
+                else:
+                    missing.append(f"{g} ({_reasons(mine) or 'not in this suite'})")
+            on = ", ".join(v["scenarios"]) or "its scenarios"
+            if missing:
+                v["reason"] = (f"drift budget held on {on}, but the contract's quality gates did not pass here: "
+                               + "; ".join(missing))
+            else:
+                v.update(verdict="counted", reason=f"contract {t.contract.describe()} held: {len(passed)} checks "
+                                                   f"passed on {on}" + (", quality gates passed" if gate_rows else ""))
+                if bench:
+                    v["speedup"] = {**bench[0]["speedup"], "counted": True}
+        out.append(v)
+    return out
+
+
+def check_statuses(plan: dict, results: list[dict]) -> list[dict]:
+    """Per [[check]] of the suite: one status over all its units (what sign-off requires)."""
+    out = []
+    for c in plan["suite"]["checks"]:
+        rows = [r for r in results if r.get("suite_check") == c["name"]]
+        status = _status_of(rows)
+        out.append({"index": c["index"], "name": c["name"], "kind": c["kind"], "status": status,
+                    "counts": {s: sum(r["status"] == s for r in rows) for s in STATUSES},
+                    "reason": _reasons(rows, status)[:500] if status in ("skip", "inconclusive", "not_exercised")
+                    else ""})
+    return out
+
+
+def negative_controls(results: list[dict]) -> dict[str, int]:
+    mutants = [r for r in results if r["kind"] == "mutant" and r.get("caught") is not None]
+    return {"caught": sum(r["caught"] is True for r in mutants), "total": len(mutants)}
+
+
+def write_combined(plan: dict, model, run_dir: Path, results: list[dict]) -> tuple[dict, dict]:
+    """Per-toggle reports, then the combined report with suite, verdicts and negative controls."""
+    from k3verify.suites.signoff import verdict_html, verdict_markdown
+
+    env = environment_fingerprint(model=model, seeds={"scenario_seed": 0}, extra={
+        "numerics_key": golden.env_key(golden.numerics_environment(model))})
+    verdicts = toggle_verdicts(results)
+    for v in verdicts:
+        rows = [r for r in results if r["toggle"] == v["toggle"]]
+        write_report(run_dir / "toggles" / v["toggle"],
+                     build_report(f"{plan['run_id']}-{v['toggle']}", f"{plan['command']}  # toggle {v['toggle']}",
+                                  env, rows))
+    report = build_report(plan["run_id"], plan["command"], env, results)
+    report.update(suite={**plan["suite"], "checks": check_statuses(plan, results)}, verdicts=verdicts,
+                  negative_controls=negative_controls(results), model_id=plan["model_id"])
+    validate_report(report)
+    paths = write_report(run_dir, report)
+    safe = json.loads(paths["json"].read_text(encoding="utf-8"))
+    md = paths["md"].read_text(encoding="utf-8")
+    atomic_write_text(paths["md"], md.replace("## Results", verdict_markdown(safe) + "## Results", 1))
+    page = paths["html"].read_text(encoding="utf-8")
+    atomic_write_text(paths["html"], page.replace("<h2>Results</h2>", verdict_html(safe) + "<h2>Results</h2>", 1))
+    atomic_write_json(paths["json"], safe, allow_nan=False)      # report.json stays the last file written
+    return safe, paths

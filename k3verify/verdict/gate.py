@@ -1,0 +1,134 @@
+"""The gate: contract -> checks -> results, for one toggle on one scenario.
+
+For an `exact` toggle, one result per check of compare/captures.py EXACT_CHECKS (tokens,
+logits, kda_state, mla_rows): pass when the candidate's capture is bit-identical to the
+reference's, fail with the first divergence, the comparator's findings and the localised
+sublayer when not. For an `approx` toggle, one `drift_budget` result: teacher-forced on the
+reference tokens, max KL, top-1 agreement and max ULP of every logit row, and the final KDA
+state drift, against the declared budget.
+
+Hashes decide equality; a mismatch is re-run with tensors kept to produce the ULP / KL figures
+(deterministic, so the second run is the first). A non-finite item recorded by either capture
+fails the check that owns it with its location, and a drift budget refuses to judge NaN / inf
+(KL of NaN compares as nothing) or a run the sampler stopped.
+"""
+from __future__ import annotations
+
+import time
+
+from k3verify.capture.capture import Capture
+from k3verify.compare.captures import (EXACT_CHECKS, compare_captures, drift_refused, findings_for, measure_drift,
+                                       nonfinite_finding)
+from k3verify.run.runner import Runner
+from k3verify.verdict.result import Result, Subject
+from optimized_stack import toggles as toggle_registry
+
+
+def model_device(model) -> str:
+    """'cpu' or 'cuda': where the model's weights live (CUDA-only toggles skip elsewhere)."""
+    return next(model.parameters()).device.type
+
+
+def applies(toggle, scenario, device: str = "cpu", world_size: int = 1) -> str | None:
+    """None if the toggle applies to the scenario here; else the reason it does not."""
+    if device not in toggle.devices:
+        return f"toggle runs on {', '.join(toggle.devices)}, not {device}"
+    if device in toggle.not_exact_on:
+        return f"not exact on {device}: {toggle.not_exact_on[device]}"
+    if world_size not in toggle.world_sizes:
+        return f"toggle runs at world size {', '.join(map(str, toggle.world_sizes))}, not {world_size}"
+    if toggle.scenario_tags and not set(toggle.scenario_tags) & set(scenario.tags):
+        return f"toggle applies to scenarios tagged {', '.join(toggle.scenario_tags)}"
+    return None
+
+
+def drift_verdict(ref: Capture, cand: Capture, contract) -> tuple[bool, str, list[dict], dict]:
+    """(within budget, reason, findings, evidence) of the teacher-forced drift against `contract`."""
+    drift = measure_drift(ref, cand)
+    f = drift.logits
+    if f is None:
+        return False, "no logits rows in common between reference and candidate", [], {}
+    problems = []
+    if contract.max_kl is not None and f.kl_max > contract.max_kl:
+        problems.append(f"max KL {f.kl_max:.3g} > budget {contract.max_kl:g}")
+    if contract.min_top1 is not None and f.top1_agreement < contract.min_top1:
+        problems.append(f"top-1 agreement {f.top1_agreement:.4f} < budget {contract.min_top1:g}")
+    if contract.max_ulp is not None and (f.max_ulp or 0) > contract.max_ulp:
+        problems.append(f"max ULP {f.max_ulp} > budget {contract.max_ulp}")
+    state_rel = drift.state_rel_max
+    if contract.max_state_rel is not None and state_rel > contract.max_state_rel:
+        worst = max(drift.state, key=lambda sf: sf["rel_to_max"])
+        problems.append(f"KDA state drift {state_rel:.3g} of max|state| > budget {contract.max_state_rel:g} "
+                        f"(layer {worst['layer']}, request {worst['request']})")
+    findings = [{**f.to_dict(), "message": f.message()}]
+    if problems:
+        return False, "; ".join(problems), findings, drift.evidence()
+    return True, (f"within budget: max KL {f.kl_max:.3g}, top-1 {f.top1_agreement:.4f}, "
+                  f"max ULP {f.max_ulp} over {f.n_rows} rows, KDA state drift {state_rel:.3g}"), findings, \
+        drift.evidence()
+
+
+def check_toggle(model, toggle_name: str, scenario, *, localize_failures: bool = True,
+                 runner: Runner | None = None) -> list[Result]:
+    """Run reference and candidate on one scenario and judge the toggle's contract."""
+    runner = runner or Runner(model)
+    toggle = toggle_registry.get(toggle_name)
+    contract = toggle.contract
+    subject = Subject.of(toggle.name)
+    skip = applies(toggle, scenario, device=model_device(model), world_size=runner.world_size)
+    if skip:
+        checks = EXACT_CHECKS if contract.kind == "exact" else ("drift_budget",)
+        return [Result.skipped(subject, c, skip, scenario=scenario.name) for c in checks]
+    t0 = time.perf_counter()
+    ref = runner.reference(scenario)
+    # localisation replays on the single-process model, where a TP toggle changes nothing
+    localize_failures = localize_failures and runner.world_size == 1
+    if contract.kind == "approx":
+        force = {rid: rc.tokens for rid, rc in ref.requests.items()}
+        cand = runner.run(scenario, (toggle.name,), keep=True, force=force)
+        refused = drift_refused(ref, cand, scenario.name)
+        if refused:
+            (reason, findings, first), ok, evidence = refused, False, {"nonfinite": refused[2]}
+        else:
+            ok, reason, findings, evidence = drift_verdict(ref, cand, contract)
+            first = None
+        res = Result.make("pass" if ok else "fail", subject, "drift_budget", reason, scenario=scenario.name,
+                          findings=findings, evidence=evidence, first_divergence=first,
+                          duration_s=time.perf_counter() - t0)
+        if not ok and localize_failures:
+            res.localization = _localize(model, toggle.name, scenario, ref, first=first)
+        return [res]
+    cand = runner.run(scenario, (toggle.name,))
+    verdicts = compare_captures(ref, cand, scenario.name)
+    if not all(v["equal"] for v in verdicts.values()):
+        # deterministic: the same run again, now with tensors kept for the findings
+        cand = runner.run(scenario, (toggle.name,), keep=True)
+        verdicts = compare_captures(ref, cand, scenario.name)
+    duration = time.perf_counter() - t0
+    failing = [c for c in EXACT_CHECKS if not verdicts[c]["equal"]]
+    # the state check knows which state tensor went wrong first: localise from it if it failed
+    state_first = next((verdicts[c]["first"] for c in ("kda_state", "mla_rows") if c in failing),
+                       verdicts[failing[0]]["first"] if failing else None)
+    loc = _localize(model, toggle.name, scenario, ref, first=state_first) if failing and localize_failures else None
+    results = []
+    for check in EXACT_CHECKS:
+        v = verdicts[check]
+        if v["equal"]:
+            results.append(Result.passed(subject, check, f"bit-identical ({v['compared']} compared)",
+                                         scenario=scenario.name, duration_s=duration))
+            continue
+        findings = ([nonfinite_finding(v["nonfinite"])] if v["nonfinite"]
+                    else findings_for(check, v["first"], ref, cand))
+        results.append(Result.failed(subject, check, v["reason"], scenario=scenario.name, findings=findings,
+                                     first_divergence=v["first"], localization=loc, duration_s=duration,
+                                     evidence={"nonfinite": v["first"]} if v["nonfinite"] else {}))
+    return results
+
+
+def _localize(model, toggle_name: str, scenario, ref: Capture, first: dict | None = None) -> dict | None:
+    from k3verify.localize import localize_request
+    rid = (first or {}).get("request") or next(iter(ref.requests))
+    r = ref.requests[rid]
+    spec = next(x for x in scenario.requests if x.request_id == rid)
+    ids = list(spec.prompt_ids) + r.tokens[:-1]
+    return localize_request(model, toggle_name, ids, request_id=rid, state_first=first)
