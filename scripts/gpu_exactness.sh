@@ -31,7 +31,7 @@ LANE2=${LANE2:-prefix_cache,prefix_cache_subblock,ckpt_with_mla_tail,projected_k
 LANE3=${LANE3:-controls,drift,price,invariance_small,approx}
 run_lane() {  # tag sections [--only toggles]
   K3VERIFY_WAIT_FOR=16:/tmp/k3-warm16,128:/tmp/k3-warm128 timeout "${RUN_TIMEOUT_S:-500}" \
-    python3 -m k3verify.gpu_exactness --out "$OUT" --budget-s "${RUN_BUDGET_S:-430}" --tag "$1" --sections "$2" ${3:+--only $3} \
+    python3 -m k3verify.perf.gpu_exactness --out "$OUT" --budget-s "${RUN_BUDGET_S:-430}" --tag "$1" --sections "$2" ${3:+--only $3} \
     > "$OUT/lane_$1.log" 2>&1
   echo "lane $1 rc=$?"
 }
@@ -47,7 +47,7 @@ if [ -n "${IEEE_LANE:-}" ]; then       # the drift again with fla's fp32 dots in
 fi
 wait
 tail -3 "$OUT/pytest_kernels.log"
-python3 -m k3verify.gpu_exactness --out "$OUT" --merge "$OUT"/gpu_exactness_*.json && rm -f "$OUT"/gpu_exactness_*.json
+python3 -m k3verify.perf.gpu_exactness --out "$OUT" --merge "$OUT"/gpu_exactness_*.json && rm -f "$OUT"/gpu_exactness_*.json
 grep -h "exact \|mutants \|drift \|price\|invariance \|control \|approx" "$OUT"/lane_*.log | cut -c1-220
 (cd "$OUT" && tar -cf logs.tar ./*.log && rm -f ./*.log)
 ls -la "$OUT"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from k3verify import workloads
-from k3verify.gate import applies
+from k3verify.scenarios import workloads
+from k3verify.verdict.gate import applies
 from optimized_stack import toggles as registry
 from optimized_stack.errors import K3Error
 
@@ -25,11 +25,14 @@ def test_only_an_exact_contract_takes_a_device_exception():
 
 
 def test_the_selftest_reports_such_a_toggle_as_a_skip_not_a_pass(monkeypatch):
-    from k3verify import gate, selftest
-    from k3verify.gate import ReferenceRuns
+    from k3verify.kinds import selftest
+    from k3verify.kinds.base import Context, Unit
+    from k3verify.verdict import gate
     from optimized_stack import load_model
     model = load_model("k3-mini")
     monkeypatch.setattr(gate, "model_device", lambda m: "cuda")     # judged as if on a GPU
-    out: list[dict] = []
-    selftest.judge_one(model, registry.get("prefill_step_api"), ReferenceRuns(model), 0.25, "cuda", None, out)
-    assert out[0]["status"] == "skip" and out[0]["reason"].startswith("not exact on cuda")
+    ctx = Context(model)
+    ctx.device = "cuda"
+    unit = Unit("selftest", "selftest", {"scale": 0.25}, toggle="prefill_step_api", scenario="single")
+    (row,) = selftest.run(unit, ctx)
+    assert row.status == "skip" and row.reason.startswith("not exact on cuda")

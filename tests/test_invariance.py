@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from k3verify import invariance
+from k3verify.compare import invariance
 from k3verify.report.schema import validate_result
 from optimized_stack import load_model
 from optimized_stack.kernels import gpu_reference

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from k3verify import cli
-from k3verify.patch_compare import REFERENCE
-from k3verify.patch_cache import CaptureCache
+from k3verify.patch.compare import REFERENCE
+from k3verify.patch.cache import CaptureCache
 
 SRC = Path(__file__).resolve().parents[1]
 COPIED = ("optimized_stack/", "k3verify/", "golden/k3-mini/", "golden/hashes/", "checks/", "pyproject.toml",
@@ -120,9 +120,9 @@ def test_pure_refactor_is_unchanged_and_a_second_run_takes_rev_from_the_cache(pa
 @pytest.fixture(scope="module")
 def cached_entry(tmp_path_factory) -> tuple[Path, str]:
     """One reference unit written as the driver writes it and stored as the cache stores it (in-process)."""
-    from k3verify import workloads
-    from k3verify.patch_driver import write_unit
-    from k3verify.runner import run_scenario
+    from k3verify.scenarios import workloads
+    from k3verify.patch.driver import write_unit
+    from k3verify.run.sequential import run_scenario
     from optimized_stack import load_model
 
     scratch, cache_dir = tmp_path_factory.mktemp("unit"), tmp_path_factory.mktemp("cache")
@@ -201,7 +201,7 @@ def test_reduction_order_change_fails_with_location(patched, tmp_path, capsys):
 def test_reduction_order_change_with_golden_rerecorded_passes(patched, tmp_path, capsys):
     edit(patched, "optimized_stack/model/attn_res.py", REORDER_OLD, REORDER_NEW)
     reason = "AttnRes mix sums newest snapshot first (test)"
-    record = ("from k3verify import golden_hashes as gh; from optimized_stack import load_model; "
+    record = ("from k3verify.compare import golden as gh; from optimized_stack import load_model; "
               "gh.GOLDEN_SCENARIOS = (('single', 0.25),); "   # the same rule on a tenth of the compute
               f"gh.record(load_model(), {reason!r})")
     subprocess.run([sys.executable, "-P", "-c", record], cwd=patched, check=True, capture_output=True,
@@ -272,21 +272,21 @@ def test_bad_revision_and_missing_api_are_one_line_errors(patched, tmp_path, cap
     assert code == 2 and err[-1].startswith("k3verify: error: --base 'no-such-rev': not a commit"), err
 
     git(patched, "checkout", "-q", "-b", "no-api")
-    (patched / "k3verify" / "runner.py").write_text('"""an old tree without the capture runner"""\n')
+    (patched / "k3verify" / "run" / "sequential.py").write_text('"""an old tree without the capture runner"""\n')
     git(patched, "commit", "-qam", "no runner")
     git(patched, "checkout", "-q", "main")
     before = git(patched, "worktree", "list")
     code = cli.main(["diff", "--base", "no-api", "--repo", str(patched), *ARGS, "--toggle", EXACT,
                      "--report-dir", str(tmp_path / "r")])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and "lacks the API `diff --base` needs: k3verify.runner has no run_scenario" in err[-1], err
+    assert code == 2 and "lacks the API `diff --base` needs:" in err[-1] and "run_scenario" in err[-1], err
     assert git(patched, "worktree", "list") == before, "REV's temporary worktree was left behind"
     git(patched, "branch", "-q", "-D", "no-api")
 
 
 def test_all_base_adds_the_section(patched, tmp_path, capsys, monkeypatch):
     suite = tmp_path / "tiny.toml"
-    suite.write_text('version = 1\ndescription = "one exact toggle, tiny"\n[[check]]\nkind = "diff"\n'
+    suite.write_text('version = 2\ndescription = "one exact toggle, tiny"\n[[check]]\nkind = "diff"\n'
                      'toggles = ["state_offload_roundtrip"]\nscenarios = ["single"]\nscale = 0.25\n')
     monkeypatch.chdir(patched)
     code = cli.main(["all", "--suite", str(suite), "--base", "main", "--report-dir", str(tmp_path / "run")])
@@ -313,7 +313,7 @@ def _describe(*toggles):
 
 
 def test_plan_names_added_removed_and_skipped_toggles_and_the_scenarios_that_exercise_them():
-    from k3verify.patch_diff import Options, make_plan
+    from k3verify.patch.diff import Options, make_plan
 
     head = _describe(_toggle("kept", exercised=("eviction",)), _toggle("new"), _toggle("cuda_only", devices=("cuda",)),
                      _toggle("kernel", kind="approx"))
@@ -338,7 +338,7 @@ def test_plan_names_added_removed_and_skipped_toggles_and_the_scenarios_that_exe
     ("re-recorded", True), ("same file", False), ("no file", False), ("same reason", False),
     ("no entry for the model", False), ("empty reason", False), ("check fails", False)])
 def test_golden_rule(case, allowed):
-    from k3verify.patch_compare import golden_verdict
+    from k3verify.patch.compare import golden_verdict
 
     def golden(reason, model="sha256:m", scenarios="x"):
         return json.dumps({"models": {model: {"reason": reason, "scenarios": scenarios}}})

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3verify import workloads
-from k3verify.gate import ReferenceRuns, check_toggle
+from k3verify.run.runner import Runner
+from k3verify.scenarios import workloads
+from k3verify.verdict.gate import check_toggle
 from optimized_stack.engine import spec as spec_module
 from optimized_stack.model import ops
 from optimized_stack.model.kda import kda_recurrent_trace
@@ -52,8 +53,8 @@ def test_the_stand_in_kernel_really_differs_from_the_traced_recurrence():
 def test_spec_is_bitwise_under_a_decode_kernel(model, monkeypatch, name):
     sc = workloads.build("spec_repetitive", scale=0.5)
     with ops.override(kda_decode=einsum_recurrence):
-        refs = ReferenceRuns(model)
-        ref = refs.get(sc)
+        refs = Runner(model)
+        ref = refs.reference(sc)
         monkeypatch.setattr(OracleDrafter, "sequences",
                             [list(r.prompt_ids) + ref.requests[r.request_id].tokens for r in sc.requests])
         monkeypatch.setattr(spec_module, "NgramDrafter", OracleDrafter)
@@ -64,7 +65,7 @@ def test_spec_is_bitwise_under_a_decode_kernel(model, monkeypatch, name):
             made.append((kept, 1 + len(req.draft)))
             return real(self, req, st, record, kept)
         monkeypatch.setattr(spec_module.Speculator, "rollback", rollback)
-        res = {r.check: r for r in check_toggle(model, name, sc, references=refs, localize_failures=False)}
+        res = {r.check: r for r in check_toggle(model, name, sc, runner=refs, localize_failures=False)}
     bad = {c: r.reason for c, r in res.items() if r.status != "pass"}
     assert not bad, f"{name} under a decode kernel: {bad}"
     assert any(1 < kept < t for kept, t in made), f"no partial rollback happened: {made[:10]}"

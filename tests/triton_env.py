@@ -37,7 +37,7 @@ def max_rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    from k3verify.invariance import bit_equal as eq
+    from k3verify.compare.invariance import bit_equal as eq
     return eq(a, b)
 
 

@@ -132,14 +132,14 @@ def run(args) -> int:
         plan = run_all.new_plan(suite, args.model, model, run_id, command)
     # every value a unit would refuse was refused when the suite was parsed: exit 2 before any work
     if args.base is not None:               # a bad REV: exit 2 before any work
-        from k3verify.patch_diff import checkout_root, resolve_base
+        from k3verify.patch.diff import checkout_root, resolve_base
         resolve_base(checkout_root(None), args.base)
     with Display(run_all.plan_units(plan)) as display:
         results, ran = run_all.execute(plan, model, run_dir, display=display, load_options=model_load_options(args))
     con = console()
     patch_line = None
     if args.base is not None:               # issue 21: a section of its own, not a unit of the plan
-        from k3verify.patch_report import suite_section
+        from k3verify.patch.report import suite_section
         patch_rows, patch_line = suite_section(plan, run_dir, args.base,
                                                lambda msg: print(f"    {msg}", file=sys.stderr, flush=True))
         results = results + patch_rows

@@ -37,7 +37,7 @@ def add_arguments(parser) -> None:
     add_model_flag(parser)
     add_device_flag(parser)
     add_json_flag(parser)
-    # issue 21: what THIS PATCH changes, bit for bit, against REV (k3verify/patch_diff.py)
+    # issue 21: what THIS PATCH changes, bit for bit, against REV (k3verify/patch/)
     parser.add_argument("--base", nargs="?", const="@merge-base", default=None, metavar="REV",
                         help="compare the working tree with git revision REV (default: the merge base with "
                              "main): the reference and every toggle, changed or unchanged per tensor")
@@ -78,7 +78,7 @@ def run(args) -> int:
     from k3verify.errors import UsageError
 
     if args.base is not None:
-        from k3verify.patch_report import run_command
+        from k3verify.patch.report import run_command
         return run_command(args)
     if not args.toggle:
         raise UsageError("diff needs --toggle NAME (or --base [REV] to diff this patch against a revision)")

@@ -1,5 +1,5 @@
 """One side of `k3verify diff --base`: where its tree lives (git: REV in a temporary worktree,
-or the checkout itself) and the process that runs it (patch_driver.py with only that tree on
+or the checkout itself) and the process that runs it (driver.py with only that tree on
 PYTHONPATH, this interpreter, so the same venv's packages)."""
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from .errors import UsageError
+from ..errors import UsageError
 
-DRIVER = Path(__file__).resolve().with_name("patch_driver.py")
+DRIVER = Path(__file__).resolve().with_name("driver.py")
 MERGE_BASE = "@merge-base"              # `--base` given without a value
 MAIN_BRANCHES = ("main", "origin/main", "master", "origin/master")
 
@@ -106,7 +106,7 @@ def sigterm_unwinds() -> Iterator[None]:
 # ---- one tree's worker ------------------------------------------------------------------
 
 class TreeWorker:
-    """patch_driver.py in its own interpreter with `tree` (only) on PYTHONPATH."""
+    """driver.py in its own interpreter with `tree` (only) on PYTHONPATH."""
 
     def __init__(self, tree: Path, where: str, model: str | None, device: str, log: Path,
                  progress: Callable[[str], None]):

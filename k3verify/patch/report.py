@@ -12,9 +12,9 @@ from html import escape
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import UsageError
-from .io import atomic_write_json, atomic_write_text
-from .patch_diff import Options, run
+from ..errors import UsageError
+from ..io import atomic_write_json, atomic_write_text
+from .diff import Options, run
 
 SUMMARY_FILE = "summary.md"
 MAX_TABLE_ROWS = 15
@@ -114,13 +114,13 @@ def run_command(args) -> int:
     """`k3verify diff --base [REV]`: 0 the patch's changes are allowed, 1 not, 2 bad input."""
     from rich.table import Table
 
-    from . import verify
-    from .commands import console, emit_json
+    from ..commands import REPORTS_DIR, console, emit_json
+    from ..report import new_run_id
 
     progress = (lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))
     result = run(options_from_args(args, progress))
-    run_id, default_dir = verify.default_report_dir("patch-diff")
-    out_dir = args.report_dir or default_dir
+    run_id = new_run_id("patch-diff")
+    out_dir = args.report_dir or REPORTS_DIR / run_id
     report, paths = write(out_dir, run_id, "k3verify " + " ".join(sys.argv[1:]), result)
     con = console()
     table = Table(title=f"diff --base {result['meta']['base']['short']}")
@@ -173,7 +173,7 @@ def suite_section(plan: dict, run_dir: Path, base: str, progress: Callable[[str]
     "patch-diff" (the label moves into the check name), so they fail the run when they fail but
     never count as a toggle's contract evidence. A resumed run reuses the section when it was
     made against the same REV."""
-    from .patch_diff import checkout_root, resolve_base
+    from .diff import checkout_root, resolve_base
 
     out = run_dir / "patch-diff"
     root = checkout_root(repo)

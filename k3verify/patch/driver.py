@@ -1,8 +1,8 @@
 """One tree's side of `k3verify diff --base REV`: a worker that runs in that tree's code.
 
-Started by k3verify/patch_diff.py as
+Started by k3verify/patch/tree.py as
 
-    python -P patch_driver.py SPEC_JSON          (the tree on PYTHONPATH, the same venv)
+    python -P driver.py SPEC_JSON          (the tree on PYTHONPATH, the same venv)
 
 so `import k3verify` / `import optimized_stack` resolve to the tree under test (REV's
 temporary worktree, or the working tree), never to the k3verify that started it. This
@@ -43,6 +43,29 @@ PROTOCOL = 1
 
 class ApiMissing(Exception):
     """The tree lacks a name of the narrow API."""
+
+
+# Where each piece of the narrow API lives: the stage layout first (2026-12-01), then the
+# flat layout of older revisions, so one driver drives either side of a patch.
+LAYOUTS = {
+    "workloads": ("k3verify.scenarios.workloads", "k3verify.workloads"),
+    "runner": ("k3verify.run.sequential", "k3verify.runner"),
+    "capture": ("k3verify.capture.capture", "k3verify.capture"),
+    "golden": ("k3verify.compare.golden", "k3verify.golden_hashes"),
+    "gate": ("k3verify.verdict.gate", "k3verify.gate"),
+}
+
+
+def _where(piece: str, attr: str) -> str:
+    """The first module of the piece's layouts that has attr (else the newest, for the message)."""
+    import importlib
+    for name in LAYOUTS[piece]:
+        try:
+            if hasattr(importlib.import_module(name), attr):
+                return name
+        except Exception:  # noqa: BLE001 - a layout this revision does not have
+            continue
+    return LAYOUTS[piece][0]
 
 
 def _need(module_name: str, attr: str | None = None):
@@ -117,15 +140,17 @@ class Worker:
                                  f"(PYTHONPATH did not take)")
         self.load_model = _need("optimized_stack", "load_model")
         self.all_toggles = _need("optimized_stack.toggles", "all_toggles")
-        self.workloads = _need("k3verify.workloads")
-        self.build = _need("k3verify.workloads", "build")
-        self.run_scenario = _need("k3verify.runner", "run_scenario")
-        self.capture_cls = _need("k3verify.capture", "Capture")
+        self.workloads = _need(_where("workloads", "build"))
+        self.build = _need(_where("workloads", "build"), "build")
+        self.run_scenario = _need(_where("runner", "run_scenario"), "run_scenario")
+        self.capture_cls = _need(_where("capture", "Capture"), "Capture")
+        self.golden_module = _where("golden", "check")
+        self.gate_module = _where("gate", "check_toggle")
         if not hasattr(self.capture_cls, "to_json"):
-            raise ApiMissing("k3verify.capture.Capture has no to_json")
+            raise ApiMissing("Capture has no to_json")
         params = inspect.signature(self.run_scenario).parameters
         if "keep" not in params:
-            raise ApiMissing("k3verify.runner.run_scenario takes no keep= (captures cannot keep tensors)")
+            raise ApiMissing("run_scenario takes no keep= (captures cannot keep tensors)")
         self.can_force = "force" in params
 
     # ---- describe ------------------------------------------------------------------------
@@ -133,7 +158,7 @@ class Worker:
         import torch
         env, key, model_id, fingerprint = None, None, None, {}
         try:
-            gh = _need("k3verify.golden_hashes")
+            gh = _need(self.golden_module)
             env = gh.numerics_environment(self.model)
             key = gh.env_key(env)
             model_id = gh.model_id(self.model)
@@ -163,7 +188,7 @@ class Worker:
         return {"protocol": PROTOCOL, "tree": str(self.tree), "env": env, "env_key": key, "model_id": model_id,
                 "model": fingerprint, "toggles": toggles, "scenarios": scenarios,
                 "capabilities": {"force": self.can_force, "contract": self._has_gate(),
-                                 "golden": self._has("k3verify.golden_hashes", "check")}}
+                                 "golden": self._has(self.golden_module, "check")}}
 
     def _has(self, module: str, attr: str) -> bool:
         try:
@@ -173,7 +198,14 @@ class Worker:
             return False
 
     def _has_gate(self) -> bool:
-        return self._has("k3verify.gate", "check_toggle") and self._has("k3verify.gate", "ReferenceRuns")
+        return self._has(self.gate_module, "check_toggle") and self._runs_class() is not None
+
+    def _runs_class(self):
+        """The reference-run cache check_toggle takes: Runner (stage layout) or ReferenceRuns."""
+        for module, attr in (("k3verify.run.runner", "Runner"), ("k3verify.gate", "ReferenceRuns")):
+            if self._has(module, attr):
+                return _need(module, attr)
+        return None
 
     # ---- capture -------------------------------------------------------------------------
     def capture(self, req: dict) -> dict:
@@ -189,7 +221,7 @@ class Worker:
                 kw = {"keep": True}
                 if unit.get("force") is not None:
                     if not self.can_force:
-                        raise ApiMissing("k3verify.runner.run_scenario takes no force= (teacher forcing)")
+                        raise ApiMissing("run_scenario takes no force= (teacher forcing)")
                     kw["force"] = unit["force"]
                 cap = self.run_scenario(self.model, sc, tuple(unit["toggles"]), **kw)
                 if not unit["toggles"]:
@@ -208,26 +240,31 @@ class Worker:
 
     # ---- contract (working tree only) ----------------------------------------------------
     def contract(self, req: dict) -> dict:
-        gate = _need("k3verify.gate")
+        gate = _need(self.gate_module)
         primed = self.refs
         scale, seed = req["scale"], req["seed"]
+        base = self._runs_class()
+        cached = "reference" if hasattr(base, "reference") else "get"      # Runner.reference / ReferenceRuns.get
 
-        class Primed(gate.ReferenceRuns):
+        class Primed(base):
             """The reference captures of this session's capture request are the same runs."""
-            def get(self, scenario):
-                cap = primed.get((scenario.name, scale, seed))
-                return cap if cap is not None else super().get(scenario)
+
+        def primed_reference(self_, scenario):
+            cap = primed.get((scenario.name, scale, seed))
+            return cap if cap is not None else getattr(base, cached)(self_, scenario)
+        setattr(Primed, cached, primed_reference)
 
         refs = Primed(self.model)
-        kw = {}
-        if "localize_failures" in inspect.signature(gate.check_toggle).parameters:
+        params = inspect.signature(gate.check_toggle).parameters
+        kw = {"runner" if "runner" in params else "references": refs}
+        if "localize_failures" in params:
             kw["localize_failures"] = bool(req.get("localize"))
         rows = []
         for toggle, scenario in req["checks"]:
             self.progress(f"contract of {toggle} on {scenario}")
             sc = self.build(scenario, scale=scale, seed=seed)
             try:
-                rows += [r.to_dict() for r in gate.check_toggle(self.model, toggle, sc, references=refs, **kw)]
+                rows += [r.to_dict() for r in gate.check_toggle(self.model, toggle, sc, **kw)]
             except Exception as exc:  # noqa: BLE001 - reported as an error result of that check
                 rows.append({"toggle": toggle, "scenario": scenario, "check": "contract", "status": "error",
                              "reason": f"{type(exc).__name__}: {exc}"[:400], "findings": [],
@@ -235,7 +272,7 @@ class Worker:
         golden = None
         if req.get("golden"):
             self.progress("golden check")
-            gh = _need("k3verify.golden_hashes")
+            gh = _need(self.golden_module)
             t0 = time.perf_counter()
             gc = gh.check(self.model)
             golden = {"status": gc.status, "reason": gc.reason, "env_key": gc.env_key, "path": gc.path,

@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from .capture import Capture
-from .compare import compare_logits, compare_tensors, first_divergence
-from .gate import compare_captures
-from .golden_hashes import location
+from ..capture.capture import Capture
+from ..compare.tensors import compare_logits, compare_tensors, first_divergence
+from ..compare.captures import compare_captures
+from ..compare.golden import location
 
 KINDS = ("tokens", "logits", "kda_state", "mla_rows")
 REFERENCE = "(reference)"

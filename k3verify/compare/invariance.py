@@ -33,7 +33,7 @@ fail is a defect), reported as `negative_controls_failed`:
 Result rows have the report schema's result fields (k3verify/report/schema.py), so the
 check can become a check kind; extra keys op, shape, dtype, m, form.
 
-    python -m k3verify.invariance --model k3-small --dtype bfloat16 --device cuda --out DIR
+    python -m k3verify.compare.invariance --model k3-small --dtype bfloat16 --device cuda --out DIR
 
 Shape letters: M rows of a call, n rows of the large call, N/K a weight's out/in features,
 D width, H heads, C qk head dim, Vd v head dim.
@@ -61,8 +61,9 @@ from optimized_stack.model.mla import MLAttention
 from optimized_stack.model.model import Norm
 from optimized_stack.model.moe import GLU, MoE, Router
 
-from .compare import compare_tensors
-from .report.schema import summarize
+from k3verify.report.schema import summarize
+
+from .tensors import compare_tensors
 
 KDA_GRID = gpu_reference.KDA_CHUNK
 # M = 1..32 (decode batches), the sizes the H200 probe covered, both sides of the 64-token
@@ -694,7 +695,7 @@ def _markdown(res: InvarianceRun) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m k3verify.invariance", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m k3verify.compare.invariance", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="checkpoint dir or preset (default: the embedded k3-mini)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
@@ -720,7 +721,7 @@ def main(argv: list[str] | None = None) -> int:
         tag = args.tag or f"{(args.model or 'k3-mini').replace('/', '_')}-{args.dtype}-{gpu_reference.gemm_choice()}"
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        from .io import atomic_write_json, atomic_write_text
+        from k3verify.io import atomic_write_json, atomic_write_text
         atomic_write_json(out / f"invariance_{tag}.json", doc, allow_nan=True)
         atomic_write_text(out / f"invariance_{tag}.md", _markdown(res))
     print(json.dumps(res.summary()))

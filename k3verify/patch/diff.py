@@ -2,14 +2,14 @@
 
     REV (default: the merge base with main)      the working tree (uncommitted changes included)
       `git worktree add --detach` in a temp dir     the checkout itself
-      patch_driver.py, REV on PYTHONPATH            patch_driver.py, the tree on PYTHONPATH
+      driver.py, REV on PYTHONPATH            driver.py, the tree on PYTHONPATH
                 \\ the same units: (reference | toggle, scenario), capture on, tensors kept /
-                                patch_compare: per tensor kind, changed or not
+                                compare.py: per tensor kind, changed or not
                      the working tree's contracts for what moved; the golden rule
                                 report.{json,md,html}, junit.xml, summary.md
 
 Each side runs in its own Python process (this interpreter, so the same venv's packages)
-with only its tree on PYTHONPATH, through k3verify/patch_driver.py and the narrow API both
+with only its tree on PYTHONPATH, through k3verify/driver.py and the narrow API both
 trees share. REV's worktree is always removed again; the user's checkout is only read.
 Approx toggles are teacher-forced on their side's own reference tokens (as the gate does),
 so a kernel that moves one logit still compares on every position.
@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .capture import Capture
-from .errors import UsageError
-from .patch_cache import BadUnit, CaptureCache, load_unit, sha256_file
-from .patch_compare import REFERENCE, UnitDiff, contracts_needed, diff_captures, golden_verdict, judge
-from .patch_tree import (MERGE_BASE, TreeWorker, checkout_root, git, git_blob, resolve_base, rev_worktree,
+from ..capture.capture import Capture
+from ..errors import UsageError
+from .cache import BadUnit, CaptureCache, load_unit, sha256_file
+from .compare import REFERENCE, UnitDiff, contracts_needed, diff_captures, golden_verdict, judge
+from .tree import (MERGE_BASE, TreeWorker, checkout_root, git, git_blob, resolve_base, rev_worktree,
                          sigterm_unwinds)
 
 __all__ = ["MERGE_BASE", "Options", "checkout_root", "resolve_base", "run"]
@@ -271,7 +271,7 @@ def _run(opts: Options) -> dict[str, Any]:
         if needed or run_golden:
             caps = head_desc["capabilities"]
             if needed and not caps["contract"]:
-                raise UsageError("the working tree lacks k3verify.gate.check_toggle / ReferenceRuns: cannot judge "
+                raise UsageError("the working tree lacks check_toggle and its run cache (verdict/gate.py, run/runner.py): cannot judge "
                                  "the contracts of what moved")
             answer = head.request("contract", checks=needed, scale=plan["scale"], seed=plan["seed"],
                                   golden=run_golden and caps["golden"], localize=opts.localize)

@@ -2,7 +2,7 @@
 at every op and shape the models use, how far is it from the CPU fp32 reference, is every exact
 toggle bit-identical to it on the GPU, is every mutant caught, and what does exactness cost.
 
-    python -m k3verify.gpu_exactness --out DIR [--sections invariance,drift,fla,exact,approx,price]
+    python -m k3verify.perf.gpu_exactness --out DIR [--sections invariance,drift,fla,exact,approx,price]
                                      [--budget-s S]
 
 Sections (in this order, most wanted first; each item is saved as it finishes, so a run cut by its
@@ -37,14 +37,19 @@ from optimized_stack import load_model
 from optimized_stack import toggles as registry
 from optimized_stack.model.ops import GPU_PROFILE_ENV
 
-from . import invariance, verify, workloads
-from .bench import interleaved
-from .compare import compare_logits
-from .gate import ReferenceRuns
-from .io import atomic_write_json, atomic_write_text
-from .report.environment import environment_fingerprint
-from .runner import run_scenario
-from .selftest import judge_one
+from k3verify.compare import invariance
+from k3verify.compare.tensors import compare_logits
+from k3verify.io import atomic_write_json, atomic_write_text
+from k3verify.kinds import selftest as selftest_kind
+from k3verify.kinds.base import Context, Unit
+from k3verify.report.environment import environment_fingerprint
+from k3verify.run.runner import Runner
+from k3verify.run.sequential import run_scenario
+from k3verify.scenarios import workloads
+from k3verify.scenarios.chooser import choose
+from k3verify.verdict.gate import check_toggle
+
+from .ab import interleaved
 
 # k3-mini work first (fla's head size 16), then k3-small's (head 128, compiled meanwhile)
 SECTIONS = ("invariance_mini", "controls", "exact", "mutants", "drift", "price", "invariance_small", "approx", "fla")
@@ -244,8 +249,24 @@ def exact_toggles() -> list[str]:
             if t.contract.kind == "exact" and 1 in t.world_sizes and ("cuda" in t.devices or "cuda" in t.not_exact_on)]
 
 
+def _judge(model, name: str, runner: Runner) -> list:
+    """The toggle on its default scenarios (scenarios/chooser.py), as `k3verify diff` judges it."""
+    toggle = registry.get(name)
+    return [r for sc in choose(toggle).names
+            for r in check_toggle(model, name, workloads.build(sc, scale=SCALE), runner=runner)]
+
+
+def judge_one(model, m, runner: Runner) -> dict[str, Any]:
+    """The selftest's verdict on one toggle or mutant (kinds/selftest.py), as a report row."""
+    unit = Unit("selftest", "selftest", {"scale": SCALE}, toggle=m.name,
+                scenario=choose(m, one=True, scale=SCALE).names[0])
+    ctx = Context(model)
+    ctx._runners[(1, ctx.tp_backend)] = runner       # share the reference captures
+    return selftest_kind.run(unit, ctx)[0].to_dict()
+
+
 def section_exact(run: Run, gpu_model, only: set[str] | None = None) -> None:
-    refs = ReferenceRuns(gpu_model)
+    refs = Runner(gpu_model)
     names = [n for n in exact_toggles() if only is None or n in only]
     for name in names:
         if run.left() < 40:
@@ -253,7 +274,7 @@ def section_exact(run: Run, gpu_model, only: set[str] | None = None) -> None:
             continue
         t0 = time.perf_counter()
         try:
-            results = verify.judge(gpu_model, [name], None, scale=SCALE, references=refs)
+            results = _judge(gpu_model, name, refs)
             item = _verdict(name, results)
         except Exception as exc:                  # a kernel that does not run is a verdict too
             item = {"toggle": name, "status": "error", "reason": f"{type(exc).__name__}: {exc}"[:400]}
@@ -265,7 +286,7 @@ def section_exact(run: Run, gpu_model, only: set[str] | None = None) -> None:
 def section_mutants(run: Run, gpu_model, only: set[str] | None = None) -> None:
     """Every mutant of the exact toggles (of those in `only`, when given): caught on the GPU?"""
     of = [n for n in exact_toggles() if only is None or n in only]
-    _mutants(run, "exact_mutants", gpu_model, ReferenceRuns(gpu_model), of)
+    _mutants(run, "exact_mutants", gpu_model, Runner(gpu_model), of)
 
 
 def _verdict(name: str, results) -> dict[str, Any]:
@@ -295,11 +316,10 @@ GRID_SCENARIOS = {"prefix_cache": ("shared_prefix_forks", "multi_turn"),
 
 
 def _judge_on_grid(model, refs, m, scenarios: tuple[str, ...]) -> dict[str, Any]:
-    from .gate import check_toggle
     tried = []
     for name in scenarios:
         sc = workloads.build(name, scale=1.0)
-        failed = {r.check for r in check_toggle(model, m.name, sc, references=refs, localize_failures=False)
+        failed = {r.check for r in check_toggle(model, m.name, sc, runner=refs, localize_failures=False)
                   if r.status == "fail"}
         tried.append(f"{name}: {sorted(failed) or 'nothing failed'}")
         if failed & set(m.caught_by):
@@ -318,14 +338,12 @@ def _mutants(run: Run, section: str, model, refs, of: list[str]) -> None:
             run.add(section, {"toggle": m.name, "mutant_of": m.mutant_of, "status": "skip", "caught": None,
                               "reason": "time budget spent"})
             continue
-        out: list[dict] = []
         t0 = time.perf_counter()
         try:
             if m.mutant_of in GRID_SCENARIOS:
                 item = _judge_on_grid(model, refs, m, GRID_SCENARIOS[m.mutant_of])
             else:
-                judge_one(model, m, refs, SCALE, "cuda", None, out)
-                item = _slim(out[0])
+                item = _slim(judge_one(model, m, refs))
         except Exception as exc:
             item = {"toggle": m.name, "status": "error", "reason": f"{type(exc).__name__}: {exc}"[:400]}
         item.update(mutant_of=m.mutant_of, caught=item.get("status") == "pass", wall_s=time.perf_counter() - t0)
@@ -334,7 +352,7 @@ def _mutants(run: Run, section: str, model, refs, of: list[str]) -> None:
 
 
 def section_approx(run: Run, gpu_model) -> None:
-    refs = ReferenceRuns(gpu_model)
+    refs = Runner(gpu_model)
     names = [t.name for t in registry.all_toggles("optimization")
              if t.contract.kind == "approx" and "cuda" in t.devices and 1 in t.world_sizes]
     for name in names:
@@ -343,7 +361,7 @@ def section_approx(run: Run, gpu_model) -> None:
             continue
         t0 = time.perf_counter()
         try:
-            results = verify.judge(gpu_model, [name], None, scale=SCALE, references=refs)
+            results = _judge(gpu_model, name, refs)
             bad = [r for r in results if r.status in ("fail", "error")]
             worst = max((r.evidence.get("kl_max", 0.0) for r in results if r.evidence), default=None)
             item = {"toggle": name, "status": "fail" if bad else "pass", "kl_max": worst,

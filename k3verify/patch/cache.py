@@ -1,5 +1,5 @@
 """REV's captures on disk: one unit = <id>.json (Capture.to_json + prompt digest) and
-<id>.safetensors (the kept tensors), as patch_driver.write_unit leaves them; the cache keeps
+<id>.safetensors (the kept tensors), as driver.write_unit leaves them; the cache keeps
 them with a meta file of their sha256, and a unit is trusted only when the files match the
 meta AND every tensor matches its capture hash. Anything else is recomputed."""
 from __future__ import annotations
@@ -8,10 +8,10 @@ import hashlib
 import json
 from pathlib import Path
 
-from .capture import Capture
-from .compare import hash_tensor
-from .io import atomic_write_bytes, atomic_write_json
-from .patch_driver import PROTOCOL, tensor_key
+from ..capture.capture import Capture
+from ..compare.tensors import hash_tensor
+from ..io import atomic_write_bytes, atomic_write_json
+from .driver import PROTOCOL, tensor_key
 
 CACHE_FORMAT, CACHE_VERSION = "k3verify.patch-cache", 1
 
