@@ -242,7 +242,7 @@ def test_approx_kernel_change_within_budget_passes_and_over_budget_fails(patched
 
 def test_patch_that_breaks_an_exact_toggle_fails(patched, tmp_path, capsys):
     """The state round trip drops the conv window: the toggle's bits move and it no longer equals the reference."""
-    edit(patched, "k3verify/runner.py", 'drop_conv = bool(opts.get("roundtrip_drops_conv"))',
+    edit(patched, "k3verify/run/sequential.py", 'drop_conv = bool(opts.get("roundtrip_drops_conv"))',
          'drop_conv = bool(opts.get("state_roundtrip"))')
     code, report, out = diff(capsys, patched, tmp_path / "r", EXACT)
     assert code == 1, out
@@ -254,7 +254,7 @@ def test_patch_that_breaks_an_exact_toggle_fails(patched, tmp_path, capsys):
 
 
 def test_changed_scenario_is_reported_not_compared(patched, tmp_path, capsys):
-    edit(patched, "k3verify/workloads.py", 'RequestSpec("r0", tuple(g.text(_n(100, scale))), 8)',
+    edit(patched, "k3verify/scenarios/workloads.py", 'RequestSpec("r0", tuple(g.text(_n(100, scale))), 8)',
          'RequestSpec("r0", tuple(g.text(_n(104, scale))), 8)')
     code, report, out = diff(capsys, patched, tmp_path / "r", EXACT, base=("--base",))   # the merge base
     assert report["patch_diff"]["base"]["how"] == "merge base of HEAD with main"

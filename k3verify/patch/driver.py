@@ -52,6 +52,7 @@ LAYOUTS = {
     "runner": ("k3verify.run.sequential", "k3verify.runner"),
     "capture": ("k3verify.capture.capture", "k3verify.capture"),
     "golden": ("k3verify.compare.golden", "k3verify.golden_hashes"),
+    "golden_rows": ("k3verify.kinds.golden", "k3verify.golden_hashes"),
     "gate": ("k3verify.verdict.gate", "k3verify.gate"),
 }
 
@@ -276,8 +277,16 @@ class Worker:
             t0 = time.perf_counter()
             gc = gh.check(self.model)
             golden = {"status": gc.status, "reason": gc.reason, "env_key": gc.env_key, "path": gc.path,
-                      "rows": gh.to_results(gc, time.perf_counter() - t0)}
+                      "rows": self._golden_rows(gc, time.perf_counter() - t0)}
         return {"rows": rows, "golden": golden}
+
+    @staticmethod
+    def _golden_rows(gc, duration_s: float) -> list[dict]:
+        """The golden check's report rows: Result objects in the stage layout, dicts before it."""
+        module = _where("golden_rows", "results")
+        if module.endswith("kinds.golden") and hasattr(_need(module), "results"):
+            return [r.to_dict() for r in _need(module, "results")(gc, duration_s)]
+        return _need(_where("golden_rows", "to_results"), "to_results")(gc, duration_s)
 
     def progress(self, message: str) -> None:
         self.reply({"progress": message})

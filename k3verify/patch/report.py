@@ -71,8 +71,8 @@ def summary_markdown(result: dict, verdict: str, report_md: str | None = None) -
 
 def write(out_dir: Path, run_id: str, command: str, result: dict) -> tuple[dict, dict]:
     """The four report files plus summary.md; report.json is the last file written."""
-    from .report import build_report, environment_fingerprint, write_report
-    from .report.environment import git_state
+    from ..report import build_report, environment_fingerprint, write_report
+    from ..report.environment import git_state
 
     meta = result["meta"]
     env = environment_fingerprint(seeds={"scenario_seed": result["plan"]["seed"]}, extra={
