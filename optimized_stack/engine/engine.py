@@ -160,8 +160,11 @@ class Engine:
             self._trie.insert(req.prompt)
 
     def _run_plan(self, plan: list[tuple[Request, int]]) -> dict[Request, torch.Tensor]:
-        if self.fast is not None and self.fast.takes(plan):
-            return self._run_fast(plan)
+        last: dict[Request, torch.Tensor] = {}
+        if self.fast is not None:            # plain decodes in one batched forward, the rest below
+            decodes, plan = self.fast.split(plan)
+            if decodes:
+                last = self._run_fast(decodes)
         pieces: dict[Request, list[tuple[int, int]]] = {}
         for req, n in plan:
             start, end = req.num_computed, req.num_computed + n
@@ -175,7 +178,6 @@ class Engine:
             if ("mut_chunk_resets_conv" in self.opts.faults and start > 0 and n > 1
                     and start < len(req.prompt)):
                 self.store.zero_conv(req)
-        last: dict[Request, torch.Tensor] = {}
         rounds = max((len(p) for p in pieces.values()), default=0)
         for r in range(rounds):
             batch = [(req, p[r]) for req, p in pieces.items() if r < len(p)]

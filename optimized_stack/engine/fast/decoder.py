@@ -1,13 +1,14 @@
-"""The engine's side of the fast decode step: which steps it takes, and one step end to end.
+"""The engine's side of the fast decode step: which rows of a step it takes, and those rows end to end.
 
     fast = FastDecoder(model, store, opts)       # engine option batched_decode (cuda_graphs: replayed)
-    if fast.takes(plan):
-        rows, tokens = fast.run(plan, keep_rows=...)
+    decodes, rest = fast.split(plan)
+    rows, tokens = fast.run(decodes, keep_rows=...)     # then `rest` through model.forward_batch
 
-A step is taken when every scheduled request is a plain one-token decode: one pending token,
-the last one sampled, past the prompt, no speculative drafts, no seeded recompute jump, and no
-probe attached to the model. Everything else (prefill chunks, verifications, mixed steps) stays
-on the engine's reference path. The step itself writes the new MLA rows and KDA state into the
+The fast path takes a step's plain one-token decodes: one pending token, the last one sampled,
+past the prompt, no speculative drafts, no seeded recompute jump, no probe attached to the
+model. Everything else (prefill chunks, verifications) runs in the same step on the engine's
+reference path, in its own forward: rows are row-invariant, so splitting one forward of a mixed
+step into two changes no bits. The step itself writes the new MLA rows and KDA state into the
 pools; the engine then does the commit bookkeeping (store.commit_written).
 
 Per step on the host: the block tables of the rows whose block list changed, one [4, Bp] input
@@ -49,14 +50,17 @@ class FastDecoder:
         self.stats = FastStats()
         self._pin = model.device.type == "cuda"
 
-    def takes(self, plan) -> bool:
-        if not plan or self.model._probes:
-            return False
+    def split(self, plan) -> tuple[list, list]:
+        """plan -> (the plain one-token decodes this path runs, everything else). Nothing is taken
+        while a probe is attached to the model (the fast step emits none)."""
+        if self.model._probes:
+            return [], list(plan)
+        fast, rest = [], []
         for req, n in plan:
-            if (n != 1 or req.draft or req.skip_generated or req.slot is None
-                    or req.num_computed != len(req.tokens) - 1 or req.num_computed < len(req.prompt)):
-                return False
-        return True
+            plain = (n == 1 and not req.draft and not req.skip_generated and req.slot is not None
+                     and req.num_computed == len(req.tokens) - 1 and req.num_computed >= len(req.prompt))
+            (fast if plain else rest).append((req, n))
+        return fast, rest
 
     def run(self, plan, *, keep_rows: bool) -> tuple[torch.Tensor, list[int | None]]:
         """Decode one token for every request of `plan` -> (logits rows [B, V] fp32 on the device,
