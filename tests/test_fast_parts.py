@@ -167,3 +167,14 @@ def test_build_meta_pads_on_the_spare_slot():
     assert b.meta.tolist() == [[11, 12, 13, 0], [40, 7, 99, 0], [4, 0, 2, 8], [4, 0, 2, 8]]
     bad = build_meta([11, 12, 13], [40, 7, 99], [4, 0, 2], spare_slot=8, size=4, pin=False, pad_shares_table=True)
     assert bad.meta[3].tolist() == [4, 0, 2, 4], "the fault points padding at the first request's table"
+
+
+def test_routed_static_grouped_is_close_and_its_fault_is_not(model):
+    """The approx form (torch.bmm over every expert's buffer) agrees to rounding; its seeded
+    fault (the highest expert dropped from the combine) does not."""
+    from optimized_stack.engine.fast.moe_static import routed_static_grouped
+    moe, h, idx, w = _moe_inputs(model, 21, seed=2)
+    ref = MoE.routed(moe, h, idx, w)
+    scale = ref.abs().max()
+    assert (routed_static_grouped(moe, h, idx, w) - ref).abs().max() <= 1e-5 * scale
+    assert (routed_static_grouped(moe, h, idx, w, _drop_last=True) - ref).abs().max() > 1e-2 * scale

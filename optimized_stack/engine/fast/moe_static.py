@@ -39,14 +39,15 @@ def _act(cfg, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def _combine(out: torch.Tensor, flat: torch.Tensor, pos: torch.Tensor, idx: torch.Tensor,
-             w: torch.Tensor) -> torch.Tensor:
-    """out [E, T, De] fp32 -> y [T, De]: per row, zeros + w * out in ascending expert index."""
+             w: torch.Tensor, drop_last: bool = False) -> torch.Tensor:
+    """out [E, T, De] fp32 -> y [T, De]: per row, zeros + w * out in ascending expert index.
+    `drop_last` is a seeded fault (the row's highest expert is left out)."""
     n_tok, top_k = idx.shape
     contrib = w.reshape(-1).unsqueeze(-1) * out[flat, pos]                    # [T*k, De]
     contrib = contrib.view(n_tok, top_k, -1)
     order = torch.sort(idx, dim=1, stable=True).indices                       # slots by expert id
     y = torch.zeros(n_tok, out.shape[-1], dtype=torch.float32, device=out.device)
-    for j in range(top_k):
+    for j in range(top_k - 1 if drop_last else top_k):
         s = order[:, j].view(n_tok, 1, 1).expand(-1, 1, out.shape[-1])
         y = y + contrib.gather(1, s).squeeze(1)
     return y
@@ -72,9 +73,10 @@ def routed_static(moe, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> t
     return _combine(out, flat, pos, idx, w)
 
 
-def routed_static_grouped(moe, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def routed_static_grouped(moe, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, *,
+                          _drop_last: bool = False) -> torch.Tensor:
     """The same placement and combine, the GEMMs as torch.bmm over [E, T, .] (approx: not the
-    reference's GEMM kernel)."""
+    reference's GEMM kernel). `_drop_last` only for the mutant."""
     from ...kernels.moe.grouped import _stacked
     n_exp, top_k = len(moe.experts), idx.shape[1]
     w1, w3, w2 = _stacked(moe.experts, ("w1", "w3", "w2"))                   # [E, F, De] x2, [E, De, F]
@@ -82,4 +84,4 @@ def routed_static_grouped(moe, h: torch.Tensor, idx: torch.Tensor, w: torch.Tens
     xs = _dispatch(h, flat, pos, n_exp, top_k)
     gate, up = torch.bmm(xs, w1.transpose(1, 2)), torch.bmm(xs, w3.transpose(1, 2))
     out = torch.bmm(_act(moe.cfg, gate, up), w2.transpose(1, 2)).float()
-    return _combine(out, flat, pos, idx, w)
+    return _combine(out, flat, pos, idx, w, drop_last=_drop_last)

@@ -11,7 +11,11 @@ a conv window stored from the neighbouring row's input, a graph replayed on stal
 """
 from __future__ import annotations
 
+import functools
+
+from ...kernels.moe.toggle_defs import GEMM_REGROUP
 from ...toggles import EXACT, Toggle, register
+from .moe_static import routed_static_grouped
 
 ALL = ("logits", "kda_state", "kda_conv", "mla_rows")
 BATCHED = {"continuous_batching": True, "projected_kv_cache": True, "batched_decode": True}
@@ -51,3 +55,16 @@ _mut("mut_fast_conv_wrong_row", "batched_decode", "the batched decode step store
 _mut("mut_graph_stale_input", "cuda_graphs", "a replayed CUDA graph reads the token ids of its first "
      "replay (the copy into the static input is skipped)", GRAPHS, ("logits", "tokens"), "engine/graphs",
      devices=CUDA)
+
+# approx: the static placement with one batched GEMM per projection over every expert (capturable,
+# unlike moe_grouped, whose capacity is read on the host); judged like moe_grouped
+register(Toggle(
+    name="moe_grouped_static", contract=GEMM_REGROUP, touches=("logits",), devices=CUDA,
+    description="routed experts on fixed-capacity [E, T, D] buffers as three batched GEMMs (torch.bmm), "
+                "capturable in a CUDA graph; combine order kept",
+    ops={"moe_experts": routed_static_grouped}))
+register(Toggle(
+    name="mut_moe_grouped_static_drop_last", kind="mutant", mutant_of="moe_grouped_static", contract=GEMM_REGROUP,
+    touches=("logits",), devices=CUDA, description="static grouped experts combined without each row's "
+    "highest expert", caught_by=("drift_budget",), lives_in="moe/ffn",
+    ops={"moe_experts": functools.partial(routed_static_grouped, _drop_last=True)}))
