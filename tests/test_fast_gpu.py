@@ -173,3 +173,32 @@ def test_the_stale_input_fault_is_caught(gpu_model):
     assert stats.graph_replays > 0
     assert bad_toks != toks or any(not torch.equal(bad_rows[k], rows[k]) for k in rows), \
         "replays on stale token ids gave the right rows: the graph check proves nothing"
+
+
+def test_the_absorbed_toggle_is_captured_and_replays_like_eager(gpu_model):
+    """mla_absorbed inside the fast step on the GPU: its paged kernel runs in the graphs (no
+    eager fallback), and replay == eager bit for bit under it too."""
+    from optimized_stack import toggles
+    with toggles.applied(["mla_absorbed"]):
+        toks, rows, _ = _tokens_and_rows(gpu_model)
+        g_toks, g_rows, stats = _tokens_and_rows(gpu_model, cuda_graphs=True)
+    assert stats.graph_replays > 0 and stats.eager_reason is None, stats
+    assert g_toks == toks and all(torch.equal(g_rows[k], rows[k]) for k in rows)
+
+
+def test_paged_absorbed_kernel_in_bf16_is_close_to_fp64():
+    from optimized_stack.kernels.mla.paged_absorbed import paged_absorbed_attention
+    g = torch.Generator().manual_seed(2)
+    h, lat, rope, bs, n = 8, 512, 64, 64, 700
+    rows = torch.randn(12 * bs, lat + rope, generator=g).bfloat16().cuda()
+    tables = torch.tensor([[3, 7, 1, 0, 9, 2, 5, 4, 6, 8, 10, 11]], dtype=torch.int32).cuda()
+    q_lat = (torch.randn(1, h, lat, generator=g) / lat ** 0.5).bfloat16().cuda()
+    q_rope = (torch.randn(1, h, rope, generator=g) / rope ** 0.5).bfloat16().cuda()
+    pos = torch.tensor([n - 1]).cuda()
+    out = paged_absorbed_attention(q_lat, q_rope, rows, tables, torch.tensor([0]).cuda(), pos, 1.0, block_size=bs)
+    p = torch.arange(n)
+    r = rows[(tables[0].cpu()[p // bs].long() * bs + p % bs).cuda()].double().cpu()
+    s = q_lat[0].double().cpu() @ r[:, :lat].T + q_rope[0].double().cpu() @ r[:, lat:].T
+    want = torch.softmax(s, -1) @ r[:, :lat]
+    err = (out[0].double().cpu() - want).abs().max() / want.abs().max()
+    assert err <= 2e-2, f"bf16 absorbed attention off by {err:.2e} of max"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_env import DEVICE, MARKS, bit_equal
+from triton_env import DEVICE, MARKS, bit_equal, max_rel
 
 pytestmark = MARKS
 
@@ -129,3 +129,32 @@ def test_bad_input_is_refused_in_one_line(bad, match):
         args["rows"] = rows.bfloat16()
     with pytest.raises(K3Error, match=match):
         paged_decode_attention(**args, scale=1.0, nope=NOPE, v_dim=VD, block_size=16)
+
+
+# ---- the absorbed form (kernels/mla/paged_absorbed.py): approx, batch-invariant ------------------
+def _absorbed64(q_lat, q_rope, rows, table, n, block_size, scale):
+    p = torch.arange(n, device=rows.device)
+    flat = table[p // block_size].long() * block_size + p % block_size
+    r = rows[flat].double().cpu()
+    s = (torch.einsum("hl,sl->hs", q_lat.double().cpu(), r[:, :LAT])
+         + torch.einsum("hr,sr->hs", q_rope.double().cpu(), r[:, LAT:])) * scale
+    return torch.einsum("hs,sl->hl", torch.softmax(s, -1), r[:, :LAT])
+
+
+@pytest.mark.parametrize("lengths,block_size", CASES, ids=[f"{'-'.join(map(str, l))}-bs{b}" for l, b in CASES])
+def test_paged_absorbed_matches_fp64_and_is_batch_invariant(lengths, block_size):
+    from optimized_stack.kernels.mla.paged_absorbed import paged_absorbed_attention
+    rows, _, tables = _pools(lengths, block_size, torch.float32)
+    gen = torch.Generator().manual_seed(4)
+    n = len(lengths)
+    q_lat = torch.randn(n + 1, H, LAT, generator=gen).to(DEVICE)
+    q_rope = torch.randn(n + 1, H, ROPE, generator=gen).to(DEVICE)
+    slot = torch.tensor(list(range(n)) + [n], device=DEVICE)          # one padding row on the spare slot
+    pos = torch.tensor([m - 1 for m in lengths] + [0], device=DEVICE)
+    out = paged_absorbed_attention(q_lat, q_rope, rows, tables, slot, pos, C ** -0.5, block_size=block_size)
+    for b, m in enumerate(lengths):
+        want = _absorbed64(q_lat[b], q_rope[b], rows, tables[b], m, block_size, C ** -0.5)
+        assert max_rel(out[b], want) <= 2e-6, f"request {b} (length {m})"
+        alone = paged_absorbed_attention(q_lat[b:b + 1], q_rope[b:b + 1], rows, tables, slot[b:b + 1], pos[b:b + 1],
+                                         C ** -0.5, block_size=block_size)
+        assert bit_equal(alone, out[b:b + 1]), f"request {b}: alone != in the batch"

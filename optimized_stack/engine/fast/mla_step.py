@@ -21,19 +21,16 @@ from typing import Callable
 
 import torch
 
+from ...kernels.mla.absorbed import mla_absorbed
 from ...model import ops
 from ...model.mla import MLAttention, blocked_attention
 from ...model.ops import OPS, sigmoid
+from .absorbed_step import paged_absorbed
 from .paged_attention import paged_attention_cpu
 
-# decode op (OPS.mla_decode) -> its batched paged form (layer, q, pools, batch) -> [B, H, Vd] fp32
-PAGED_FORMS: dict[Callable, Callable] = {}
-
-
-def register_paged_form(decode_op: Callable, paged: Callable) -> None:
-    if decode_op in PAGED_FORMS:
-        raise ValueError(f"a paged form for {getattr(decode_op, '__name__', decode_op)!r} is registered twice")
-    PAGED_FORMS[decode_op] = paged
+# a kernel toggle's decode op (OPS.mla_decode) -> its batched paged form, which the fast step (and
+# its graphs) runs instead: (layer, q [B, H, C], pool, tables, table_slot, pos) -> [B, H, Vd] fp32
+PAGED_FORMS: dict[Callable, Callable] = {mla_absorbed: paged_absorbed}
 
 
 class PagedMLA:
