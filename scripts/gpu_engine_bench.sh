@@ -6,9 +6,9 @@
 # logs.tar (bench.log, lane_fast.log).
 #   background (k3-mini, bf16; tiny GPU work beside the bench, one CPU core each):
 #     - the GPU-only tests of the fast path and the paged kernel, natively;
-#     - k3verify.gpu_exactness: batched_decode and cuda_graphs bitwise on the GPU reference on
+#     - k3verify.perf.gpu_exactness: batched_decode and cuda_graphs bitwise on the GPU reference on
 #       every default + tagged scenario, every mutant of both (caught?);
-#   foreground: python -m optimized_stack.engine.fast.bench (k3-small bf16): the stack, each row
+#   foreground: python -m k3verify.perf.fast_bench (k3-small bf16): the stack, each row
 #     counted only after its contract held in this run, decode B = 1, 8, 64, 256 x context 512 and
 #     8K, prefill 4K and 32K, transformers' Kimi Linear bf16 / fp32, the HBM roofline, agentic.
 # BENCH_ALONE=1 runs the background lanes after the bench instead (clean timings, longer).
@@ -32,11 +32,11 @@ cat "$OUT/env.log"
 lanes() {
   (timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_fast_gpu.py tests/test_fast_paged_kernel.py \
      tests/test_triton_mla_attention.py > "$OUT/pytest_fast.log" 2>&1; echo "pytest rc=$?" >> "$OUT/pytest_fast.log") &
-  (timeout 450 python3 -m k3verify.gpu_exactness --out "$OUT" --budget-s 420 --tag fast --sections exact,mutants \
+  (timeout 450 python3 -m k3verify.perf.gpu_exactness --out "$OUT" --budget-s 420 --tag fast --sections exact,mutants \
      --only batched_decode,cuda_graphs > "$OUT/lane_fast.log" 2>&1; echo "lane rc=$?" >> "$OUT/lane_fast.log") &
 }
 bench() {
-  timeout "${BENCH_TIMEOUT_S:-500}" python3 -m optimized_stack.engine.fast.bench --out "$OUT" \
+  timeout "${BENCH_TIMEOUT_S:-500}" python3 -m k3verify.perf.fast_bench --out "$OUT" \
     --budget-s "${BENCH_BUDGET_S:-420}" > "$OUT/bench.log" 2>&1
   echo "bench rc=$?"
 }

@@ -1,4 +1,4 @@
-"""The engine benchmark (optimized_stack/engine/fast/bench.py) runs end to end on the CPU in its
+"""The engine benchmark (k3verify/perf/fast_bench.py) runs end to end on the CPU in its
 smoke mode and writes issue 20's summary fields; its roofline bytes are the verifier's; its
 transformers peer has the preset's dims (read back through our own config loader); the contract
 check it counts rows by can fail."""
@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from optimized_stack.engine.fast import bench
-from optimized_stack.engine.fast.bench_setup import Donor, decode_step_bytes, seeded_engine
+from k3verify.perf import fast_bench as bench
+from k3verify.perf.fast_bench_setup import Donor, decode_step_bytes, seeded_engine
 from optimized_stack.engine import EngineOptions
 from model_fixtures import model  # noqa: F401  (the module-scoped k3-mini fixture)
 
@@ -51,7 +51,7 @@ def test_the_row_check_fails_on_a_fault(model):
 
 
 def test_roofline_bytes_are_the_verifiers(model):
-    gpu_bench = pytest.importorskip("k3verify.gpu_bench")
+    gpu_bench = pytest.importorskip("k3verify.perf.gpu_bench")
     for b, ctx in ((1, 100), (64, 512), (256, 8192)):
         assert decode_step_bytes(model, b, ctx) == gpu_bench.decode_step_bytes(model, b, ctx)
 
@@ -73,7 +73,7 @@ def test_seeded_requests_decode_from_the_donor_state(model):
 def test_the_transformers_peer_has_the_presets_dims(tmp_path):
     pytest.importorskip("transformers")
     from optimized_stack.config import K3Config
-    from optimized_stack.engine.fast.bench_hf import kimi_linear_config
+    from k3verify.perf.transformers_kimi import kimi_linear_config
     from optimized_stack.presets import preset_config
     cfg = preset_config("k3-small")
     kimi_linear_config(cfg).save_pretrained(tmp_path)

@@ -9,7 +9,7 @@ a CPU; run by scripts/gpu_engine_bench.sh on the H200):
   several replays at several sizes, and the engine with cuda_graphs == the engine without;
 - the stale-input graph fault is caught; the step under the reference ops is capturable.
 The engine-level verdicts (every scenario, every check, the mutants) are the GPU exactness run's:
-`python -m k3verify.gpu_exactness --sections exact,mutants --only batched_decode,cuda_graphs`.
+`python -m k3verify.perf.gpu_exactness --sections exact,mutants --only batched_decode,cuda_graphs`.
 """
 from __future__ import annotations
 

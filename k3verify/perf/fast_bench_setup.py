@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ...config import KDA, MLA
-from ..engine import Engine
-from ..options import EngineOptions, SamplingParams
-from ..store import PagedStore
+from optimized_stack.config import KDA, MLA
+from optimized_stack.engine.engine import Engine
+from optimized_stack.engine.options import EngineOptions, SamplingParams
+from optimized_stack.engine.store import PagedStore
 
 
 def sync() -> None:

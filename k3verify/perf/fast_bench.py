@@ -1,8 +1,8 @@
 """The engine benchmark of issue 20, one run: the toggle stack, each row counted only after its
 contract held in the same run, against transformers' Kimi Linear and the HBM roofline.
 
-    python -m optimized_stack.engine.fast.bench --out DIR            # CUDA: k3-small bf16
-    python -m optimized_stack.engine.fast.bench --out DIR --smoke    # CPU: k3-mini, B = 1, 2, no transformers
+    python -m k3verify.perf.fast_bench --out DIR            # CUDA: k3-small bf16
+    python -m k3verify.perf.fast_bench --out DIR --smoke    # CPU: k3-mini, B = 1, 2, no transformers
 
 Sections (in this order, each skipped with its reason once --budget-s is spent):
 1. contracts: every stack row runs a check workload (real prefills, greedy decode) on the
@@ -11,10 +11,10 @@ Sections (in this order, each skipped with its reason once --budget-s is spent):
    the token streams agree. A row counts only if it held, the fast path's own evidence shows it
    ran (fast steps, graph replays), and every row above it counts.
 2. decode: tok/s of each row at B x context (engine steps, host work included; requests hold a
-   real context copied, bench_setup.py), the roofline fraction of each cell.
+   real context copied, fast_bench_setup.py), the roofline fraction of each cell.
 3. prefill: the reference path's whole-prompt prefill of each length (the stack does not change
    prefill).
-4. transformers: KimiLinearForCausalLM at the same dims (bench_hf.py), bf16 and fp32.
+4. transformers: KimiLinearForCausalLM at the same dims (transformers_kimi.py), bf16 and fp32.
 5. agentic: sessions that re-send their history (prefix > 95% reusable) with a fork each, closed
    loop, the full exact stack, at each concurrency: total tok/s (cached input included), the
    per-user tok/s 90% of users get (p90), prefix reuse against the theoretical.
@@ -36,11 +36,11 @@ from typing import Any
 
 import torch
 
-from ... import load_model, toggles
-from ..bench import make_workload
-from ..engine import Engine, EngineObserver
-from ..options import EngineOptions, SamplingParams
-from .bench_setup import Donor, cache_tokens_for, decode_step_bytes, hbm_copy_bandwidth, seeded_engine, sync
+from optimized_stack import load_model, toggles
+from .engine_bench import make_workload
+from optimized_stack.engine.engine import Engine, EngineObserver
+from optimized_stack.engine.options import EngineOptions, SamplingParams
+from .fast_bench_setup import Donor, cache_tokens_for, decode_step_bytes, hbm_copy_bandwidth, seeded_engine, sync
 
 # the stack: each row adds one toggle (with what it needs) on top of the rows above
 STACK: list[tuple[str, tuple[str, ...]]] = [
@@ -419,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         doc["prefill"] = section_prefill(model, args, deadline - 0.25 * args.budget_s, log)
         doc["transformers"] = {}
         if args.transformers:
-            from .bench_hf import bench_kimi_linear
+            from .transformers_kimi import bench_kimi_linear
             for name, dt, batches, prefill in (("bf16", torch.bfloat16, args.batches, args.prefill),
                                                ("fp32", torch.float32, [64], [])):
                 if time.monotonic() > deadline - 0.12 * args.budget_s:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ...config import MLA, K3Config
+from optimized_stack.config import MLA, K3Config
 
 
 def kimi_linear_config(cfg: K3Config):
