@@ -34,6 +34,11 @@ lanes() {
      tests/test_triton_mla_attention.py > "$OUT/pytest_fast.log" 2>&1; echo "pytest rc=$?" >> "$OUT/pytest_fast.log") &
   (timeout 450 python3 -m k3verify.perf.gpu_exactness --out "$OUT" --budget-s 420 --tag fast --sections exact,mutants \
      --only batched_decode,cuda_graphs > "$OUT/lane_fast.log" 2>&1; echo "lane rc=$?" >> "$OUT/lane_fast.log") &
+  # MUTANTS_ONLY=t1,t2: also every mutant of those exact toggles (re-verifying fixed mutants)
+  if [ -n "${MUTANTS_ONLY:-}" ]; then
+    (timeout 450 python3 -m k3verify.perf.gpu_exactness --out "$OUT" --budget-s 420 --tag mut --sections mutants \
+       --only "$MUTANTS_ONLY" > "$OUT/lane_mut.log" 2>&1; echo "lane rc=$?" >> "$OUT/lane_mut.log") &
+  fi
 }
 bench() {
   timeout "${BENCH_TIMEOUT_S:-500}" python3 -m k3verify.perf.fast_bench --out "$OUT" \
@@ -46,7 +51,7 @@ else
   lanes; bench; wait
 fi
 tail -4 "$OUT/pytest_fast.log"
-grep -h "exact \|exact_mutants \|rc=" "$OUT/lane_fast.log" | cut -c1-220
+grep -h "exact \|exact_mutants \|rc=" "$OUT"/lane_*.log | cut -c1-220
 tail -12 "$OUT/bench.log"
-(cd "$OUT" && tar -cf logs.tar bench.log lane_fast.log && rm -f bench.log lane_fast.log)
+(cd "$OUT" && tar -cf logs.tar bench.log lane_*.log && rm -f bench.log lane_*.log)
 ls -la "$OUT"
