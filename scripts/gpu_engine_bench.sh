@@ -11,7 +11,8 @@
 #   foreground: python -m k3verify.perf.fast_bench (k3-small bf16): the stack, each row
 #     counted only after its contract held in this run, decode B = 1, 8, 64, 256 x context 512 and
 #     8K, prefill 4K and 32K, transformers' Kimi Linear bf16 / fp32, the HBM roofline, agentic.
-# BENCH_ALONE=1 runs the background lanes after the bench instead (clean timings, longer).
+# BENCH_ALONE=1 runs the background lanes after the bench instead (clean timings, longer);
+# NO_LANES=1 runs the bench alone.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/k3-engine-out}
@@ -45,13 +46,15 @@ bench() {
     --budget-s "${BENCH_BUDGET_S:-420}" > "$OUT/bench.log" 2>&1
   echo "bench rc=$?"
 }
-if [ -n "${BENCH_ALONE:-}" ]; then
+if [ -n "${NO_LANES:-}" ]; then                # the bench alone (the lanes' verdicts from an earlier run)
+  bench
+elif [ -n "${BENCH_ALONE:-}" ]; then
   bench; lanes; wait
 else
   lanes; bench; wait
 fi
-tail -4 "$OUT/pytest_fast.log"
-grep -h "exact \|exact_mutants \|rc=" "$OUT"/lane_*.log | cut -c1-220
+[ -f "$OUT/pytest_fast.log" ] && tail -4 "$OUT/pytest_fast.log"
+grep -h "exact \|exact_mutants \|rc=" "$OUT"/lane_*.log 2>/dev/null | cut -c1-220
 tail -12 "$OUT/bench.log"
-(cd "$OUT" && tar -cf logs.tar bench.log lane_*.log && rm -f bench.log lane_*.log)
+(cd "$OUT" && tar -cf logs.tar bench.log $(ls lane_*.log 2>/dev/null) && rm -f bench.log lane_*.log)
 ls -la "$OUT"
