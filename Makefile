@@ -19,7 +19,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 # indexing), so they get their own venv; the numpy pin stays here, not in pyproject.
 TRITON_VENV  := .venv-triton
 TRITON_STAMP := $(TRITON_VENV)/.installed
-TRITON_TESTS := tests/test_triton_*.py tests/test_gpu_reference*.py tests/test_invariance*.py
+TRITON_TESTS := tests/test_triton_*.py tests/test_gpu_reference*.py tests/test_invariance*.py tests/test_fast_paged_kernel.py
 
 .PHONY: venv vllm-venv triton-venv test test-fast test-triton test-slow verify clean-venv
 

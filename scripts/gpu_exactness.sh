@@ -5,7 +5,7 @@
 #      processes (Triton's disk cache keeps them: ~80 s each on a fresh machine);
 #   2. meanwhile (background) the kernel tests run natively on the GPU (the same files CI runs
 #      through Triton's interpreter);
-#   3. python -m k3verify.gpu_exactness: invariance, drift vs the CPU reference, every exact
+#   3. python -m k3verify.perf.gpu_exactness: invariance, drift vs the CPU reference, every exact
 #      toggle and mutant, approx toggles, fla chunk vs recurrent, the price of exactness.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -26,6 +26,7 @@ from ..errors import K3Error
 from ..kernels.kda.grid import grid_in_force, grid_pieces
 from ..model.kda import KDAState
 from ..model.model import K3Model
+from .fast.decoder import FastDecoder
 from .metrics import EngineMetrics, PrefixTrie
 from .options import EngineOptions, RequestResult, SamplingParams, StepOutput
 from .sampler import Sampler
@@ -78,6 +79,9 @@ class Engine:
         # speculative decoding (spec.py): drafts verified in the decode forward, KDA rolled back
         self.spec = Speculator(model, self.opts) if self.opts.speculative else None
         self._emitted: dict[Request, list[int]] = {}       # tokens a verification emitted this step
+        # plain decode steps as one static-shape forward (engine/fast), greedy tokens sampled there
+        self.fast = FastDecoder(model, self.store, self.opts) if self.opts.batched_decode else None
+        self._sampled: dict[Request, int] = {}
 
     # ---- requests ---------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
@@ -156,6 +160,11 @@ class Engine:
             self._trie.insert(req.prompt)
 
     def _run_plan(self, plan: list[tuple[Request, int]]) -> dict[Request, torch.Tensor]:
+        last: dict[Request, torch.Tensor] = {}
+        if self.fast is not None:            # plain decodes in one batched forward, the rest below
+            decodes, plan = self.fast.split(plan)
+            if decodes:
+                last = self._run_fast(decodes)
         pieces: dict[Request, list[tuple[int, int]]] = {}
         for req, n in plan:
             start, end = req.num_computed, req.num_computed + n
@@ -169,7 +178,6 @@ class Engine:
             if ("mut_chunk_resets_conv" in self.opts.faults and start > 0 and n > 1
                     and start < len(req.prompt)):
                 self.store.zero_conv(req)
-        last: dict[Request, torch.Tensor] = {}
         rounds = max((len(p) for p in pieces.values()), default=0)
         for r in range(rounds):
             batch = [(req, p[r]) for req, p in pieces.items() if r < len(p)]
@@ -192,6 +200,25 @@ class Engine:
                 if req.skip_generated and req.num_computed >= len(req.prompt):
                     req.num_computed = len(req.tokens) - 1          # the seeded fault's jump
                     req.skip_generated = False
+        return last
+
+    def _run_fast(self, plan: list[tuple[Request, int]]) -> dict[Request, torch.Tensor]:
+        """A step of plain decodes through engine/fast: the step wrote rows and state into the
+        pools; here the same bookkeeping as the loop above, per request."""
+        assert self.fast is not None
+        rows, tokens = self.fast.run(plan, keep_rows=bool(self.observers))
+        last: dict[Request, torch.Tensor] = {}
+        for i, (req, _) in enumerate(plan):
+            a = req.num_computed
+            self.metrics.tokens_computed += 1
+            self.store.commit_written(req, a + 1)
+            self.metrics.tokens_recomputed += max(0, min(a + 1, req.max_computed) - a)
+            req.max_computed = max(req.max_computed, a + 1)
+            for obs in self.observers:
+                obs.on_logits(req.request_id, a, rows[i:i + 1])
+            last[req] = rows[i]
+            if tokens[i] is not None:
+                self._sampled[req] = tokens[i]
         return last
 
     def _verify(self, req: Request, st, rows: torch.Tensor, record, start: int) -> tuple[torch.Tensor, int]:
@@ -225,7 +252,9 @@ class Engine:
         if emitted is not None:
             new_token = emitted[-1]
         elif req.num_computed == len(req.tokens):
-            new_token = req.sampler.sample(last_row)
+            new_token = self._sampled.pop(req, None)           # greedy, sampled by the fast step
+            if new_token is None:
+                new_token = req.sampler.sample(last_row)
             self._take_tokens(req, [new_token])
         if self.observers:
             for layer, st in self.store.kda_states(req).items():

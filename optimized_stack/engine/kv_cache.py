@@ -25,14 +25,18 @@ Rows = dict[int, torch.Tensor]                 # MLA layer -> [n, R] (or [n, W])
 class PagedMLACache:
     def __init__(self, layers: list[int], num_blocks: int, block_size: int, width: int,
                  kv_width: int | None, dtype: torch.dtype, device: torch.device,
-                 on_evict: Callable[[bytes, int], None] | None = None):
+                 on_evict: Callable[[bytes, int], None] | None = None, spare_blocks: int = 0):
+        """`spare_blocks` extra blocks past num_blocks are never allocated: a batched decode step
+        (engine/fast) points its padding rows at them, so padding never writes a request's rows."""
         self.layers = list(layers)
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.rows = {i: torch.zeros(num_blocks, block_size, width, dtype=dtype, device=device)
+        self.spare_blocks = spare_blocks
+        total = num_blocks + spare_blocks
+        self.rows = {i: torch.zeros(total, block_size, width, dtype=dtype, device=device)
                      for i in layers}                                           # [N, B, R]
         self.kv = (None if kv_width is None else
-                   {i: torch.zeros(num_blocks, block_size, kv_width, dtype=dtype, device=device)
+                   {i: torch.zeros(total, block_size, kv_width, dtype=dtype, device=device)
                     for i in layers})                                           # [N, B, W]
         self.ref_count = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks

@@ -30,6 +30,10 @@ FAULTS = {
     "mut_spec_conv_not_compacted": "after a rejection the conv windows keep the rejected draft tokens",
     "mut_spec_accept_off_by_one": "greedy acceptance also keeps the first rejected draft token",
     "mut_spec_replay_closed_form": "speculative replay uses the chunked closed form, not the sequential recurrence",
+    "mut_fast_pad_shares_table": "the batched decode step's padding rows use the first request's block table, "
+                                 "not the scratch block",
+    "mut_fast_conv_wrong_row": "the batched decode step stores request i's conv window from request i+1's input",
+    "mut_graph_stale_input": "a replayed CUDA graph reads last replay's token ids (the input copy is skipped)",
 }
 
 # option -> the option it needs (one line errors name both). The one source of these rules:
@@ -41,6 +45,10 @@ REQUIRES = {
     "host_kv_tier": "prefix_cache",
     "preemption": "continuous_batching",
     "speculative": "continuous_batching",
+    # the fast step (engine/fast) attends over the projected K/V pool; it also needs the paged
+    # store of continuous batching, checked in __post_init__ (one needed option per entry here)
+    "batched_decode": "projected_kv_cache",
+    "cuda_graphs": "batched_decode",
 }
 
 
@@ -77,6 +85,10 @@ class EngineOptions:
     # KDA grid the engine cuts calls and reuses state on (kernels/kda/grid.py): None follows the
     # KDA path in force (64 on the GPU profile, none on the CPU reference); 0 turns it off
     kda_grid: int | None = None
+    # engine/fast: plain decode steps as one static-shape forward over every running request
+    # (padded to a ladder size), and that forward captured as CUDA graphs (CUDA only)
+    batched_decode: bool = False
+    cuda_graphs: bool = False
     faults: frozenset[str] = field(default_factory=frozenset)
 
     def __post_init__(self) -> None:
@@ -125,6 +137,8 @@ class EngineOptions:
         for opt, needed in REQUIRES.items():
             if getattr(self, opt) and not getattr(self, needed):
                 raise K3Error(f"engine option {opt} requires {needed}, which is off")
+        if self.batched_decode and not self.continuous_batching:
+            raise K3Error("engine option batched_decode requires continuous_batching, which is off")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "EngineOptions":

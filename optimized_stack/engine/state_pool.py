@@ -15,12 +15,15 @@ Snapshot = dict[int, KDAState]                 # KDA layer -> state (owned copie
 
 
 class KDAStatePool:
-    def __init__(self, protos: dict[int, KDAState], slots: int):
+    def __init__(self, protos: dict[int, KDAState], slots: int, spare: int = 0):
+        """`spare` extra slots past the last real one are never handed out: a batched decode
+        step (engine/fast) points its padding rows at them, so padding never touches a request."""
         self.slots = slots
+        self.spare = spare
         self.layers = list(protos)
-        self.pools = {i: {name: torch.zeros((slots,) + tuple(t.shape), dtype=t.dtype, device=t.device)
+        self.pools = {i: {name: torch.zeros((slots + spare,) + tuple(t.shape), dtype=t.dtype, device=t.device)
                           for name, t in st.tensors().items()}
-                      for i, st in protos.items()}                 # layer -> name -> [slots, ...]
+                      for i, st in protos.items()}                 # layer -> name -> [slots + spare, ...]
         self.free = list(range(slots))
 
     def num_free(self) -> int:

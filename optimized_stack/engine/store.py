@@ -93,11 +93,12 @@ class PagedStore:
         kv_width = cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) if opts.projected_kv_cache else None
         self.host = (HostTier(opts.block_size, opts.host_cache_tokens, opts.checkpoint_spacing)
                      if opts.host_kv_tier else None)
+        spare = 1 if opts.batched_decode else 0        # the fast step's padding rows (engine/fast)
         self.mla = PagedMLACache(self.mla_layers, num_blocks, opts.block_size, cfg.mla_cache_width,
                                  kv_width, next(iter(proto.mla.values())).dtype, model.device,
-                                 on_evict=self._block_evicted if self.host else None)
+                                 on_evict=self._block_evicted if self.host else None, spare_blocks=spare)
         slots = opts.kda_pool_slots or (opts.max_num_seqs if opts.continuous_batching else 1)
-        self.pool = KDAStatePool(proto.kda, slots)
+        self.pool = KDAStatePool(proto.kda, slots, spare=spare)
         self.prefix = (PrefixCache(self.mla, self.host, opts.checkpoint_spacing, opts.prefix_cache_subblock,
                                    max(8, device_tokens // opts.checkpoint_spacing))
                        if opts.prefix_cache else None)
@@ -281,6 +282,11 @@ class PagedStore:
                 kv = {i: _round_lower(t) for i, t in kv.items()}
             self.mla.write(req.blocks, start, kv, kv=True)
         self.pool.store(req.slot, st.kda)
+        self.commit_written(req, end)
+
+    def commit_written(self, req: Request, end: int) -> None:
+        """The bookkeeping of `commit` for a step that wrote its MLA rows and KDA state into the
+        pools itself (engine/fast's batched decode): the request now holds `end` tokens."""
         req.num_computed = end
         if self.prefix is None:
             return

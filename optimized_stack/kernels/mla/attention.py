@@ -45,6 +45,36 @@ TILES: dict[torch.dtype, tuple[int, int, int]] = {
 }
 
 
+@triton.jit
+def key_block_update(q, kt, vb, offs_s, s_ok, pos, start, m_i, l_i, acc, scale, IEEE: tl.constexpr):
+    """One 64-key block of the online softmax for a tile of queries: the loop body shared by the
+    contiguous kernel below and the paged decode kernel (kernels/mla/paged.py), so the two run the
+    same operations in the same order on the same tile shapes.
+
+    q [BM, BC] (input dtype), kt [BC, BN] (q's dtype), vb [BN, BV] fp32, offs_s [BN] key positions,
+    s_ok [BN] keys that exist, pos [BM] each query's causal limit (-1: no query), start = the
+    block's first position; (m_i [BM], l_i [BM], acc [BM, BV]) fp32 in and out."""
+    if IEEE:
+        sc = tl.dot(q, kt, input_precision="ieee")
+    else:
+        sc = tl.dot(q, kt)
+    sc = sc * scale                                                          # [BM, BN] fp32
+    visible = (offs_s[None, :] <= pos[:, None]) & s_ok[None, :]
+    sc = tl.where(visible, sc, float("-inf"))
+    active = start <= pos                  # the query sees at least one key of this block
+    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+    m_use = tl.where(active, m_new, 0.0)   # inactive rows: keep exp() finite, result unused
+    alpha = tl.exp(m_i - m_use)            # first block: exp(-inf) = 0
+    p = tl.exp(sc - m_use[:, None])        # masked keys: exactly 0
+    pv = tl.dot(p, vb, input_precision="ieee")
+    l_new = l_i * alpha + tl.sum(p, axis=1)
+    acc_new = acc * alpha[:, None] + pv
+    m_i = tl.where(active, m_new, m_i)
+    l_i = tl.where(active, l_new, l_i)
+    acc = tl.where(active[:, None], acc_new, acc)
+    return m_i, l_i, acc
+
+
 @triton.jit(do_not_specialize=["T", "S"])
 def _causal_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, T, S, C, VD, scale,
                              sq_t, sq_h, sk_s, sk_h, sv_s, sv_h, so_t, so_h,
@@ -76,26 +106,9 @@ def _causal_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, T, S, C, VD, s
                      mask=c_ok[:, None] & s_ok[None, :], other=0.0)             # [BC, BN]
         if UPCAST:
             kt = kt.to(tl.float32)
-        if IEEE:
-            sc = tl.dot(q, kt, input_precision="ieee")
-        else:
-            sc = tl.dot(q, kt)
-        sc = sc * scale                                                          # [BM, BN] fp32
-        visible = (offs_s[None, :] <= pos[:, None]) & s_ok[None, :]
-        sc = tl.where(visible, sc, float("-inf"))
-        active = start <= pos                  # the query sees at least one key of this block
-        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-        m_use = tl.where(active, m_new, 0.0)   # inactive rows: keep exp() finite, result unused
-        alpha = tl.exp(m_i - m_use)            # first block: exp(-inf) = 0
-        p = tl.exp(sc - m_use[:, None])        # masked keys: exactly 0
         vb = tl.load(v_ptr + offs_s[:, None] * sv_s + h * sv_h + offs_v[None, :],
                      mask=s_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)   # [BN, BV]
-        pv = tl.dot(p, vb, input_precision="ieee")
-        l_new = l_i * alpha + tl.sum(p, axis=1)
-        acc_new = acc * alpha[:, None] + pv
-        m_i = tl.where(active, m_new, m_i)
-        l_i = tl.where(active, l_new, l_i)
-        acc = tl.where(active[:, None], acc_new, acc)
+        m_i, l_i, acc = key_block_update(q, kt, vb, offs_s, s_ok, pos, start, m_i, l_i, acc, scale, IEEE)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + offs_m[:, None] * so_t + h * so_h + offs_v[None, :], out,
              mask=row_ok[:, None] & v_ok[None, :])

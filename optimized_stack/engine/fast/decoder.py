@@ -1,0 +1,99 @@
+"""The engine's side of the fast decode step: which rows of a step it takes, and those rows end to end.
+
+    fast = FastDecoder(model, store, opts)       # engine option batched_decode (cuda_graphs: replayed)
+    decodes, rest = fast.split(plan)
+    rows, tokens = fast.run(decodes, keep_rows=...)     # then `rest` through model.forward_batch
+
+The fast path takes a step's plain one-token decodes: one pending token, the last one sampled,
+past the prompt, no speculative drafts, no seeded recompute jump, no probe attached to the
+model. Everything else (prefill chunks, verifications) runs in the same step on the engine's
+reference path, in its own forward: rows are row-invariant, so splitting one forward of a mixed
+step into two changes no bits. The step itself writes the new MLA rows and KDA state into the
+pools; the engine then does the commit bookkeeping (store.commit_written).
+
+Per step on the host: the block tables of the rows whose block list changed, one [4, Bp] input
+tensor, and one [2, Bp] read-back (tokens and finiteness): the only host sync of the step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...errors import K3Error
+from .batch import build_meta, padded_size
+from .decode_step import DecodeStep
+from .graphs import GraphRunner
+
+
+@dataclass
+class FastStats:
+    """Evidence that the fast path ran (design.md, "Evidence that a check ran")."""
+
+    steps: int = 0                 # decode steps taken by the fast path
+    rows: int = 0                  # real rows they decoded
+    padded_rows: int = 0           # padding rows they ran
+    graph_replays: int = 0
+    graph_captures: int = 0
+    eager_reason: str | None = None    # why cuda_graphs ran eagerly (None: it did not)
+
+
+class FastDecoder:
+    def __init__(self, model, store, opts):
+        if opts.cuda_graphs and model.device.type != "cuda":
+            raise K3Error(f"engine option cuda_graphs needs a CUDA model, the model is on {model.device}")
+        self.model = model
+        self.step = DecodeStep(model, store, opts)
+        self.graphs = (GraphRunner(self.step, stale_input="mut_graph_stale_input" in opts.faults)
+                       if opts.cuda_graphs else None)
+        self.pad_shares_table = "mut_fast_pad_shares_table" in opts.faults
+        self.stats = FastStats()
+        self._pin = model.device.type == "cuda"
+
+    def split(self, plan) -> tuple[list, list]:
+        """plan -> (the plain one-token decodes this path runs, everything else). Nothing is taken
+        while a probe is attached to the model (the fast step emits none)."""
+        if self.model._probes:
+            return [], list(plan)
+        fast, rest = [], []
+        for req, n in plan:
+            plain = (n == 1 and not req.draft and not req.skip_generated and req.slot is not None
+                     and req.num_computed == len(req.tokens) - 1 and req.num_computed >= len(req.prompt))
+            (fast if plain else rest).append((req, n))
+        return fast, rest
+
+    def run(self, plan, *, keep_rows: bool) -> tuple[torch.Tensor, list[int | None]]:
+        """Decode one token for every request of `plan` -> (logits rows [B, V] fp32 on the device,
+        per request its greedy token, or None where the request samples or its row is not finite:
+        the engine's sampler then handles that row)."""
+        reqs = [req for req, _ in plan]
+        tables = self.step.tables
+        for req in reqs:
+            tables.sync(req.slot, req.blocks)
+        size = padded_size(len(reqs))
+        batch = build_meta([req.tokens[-1] for req in reqs], [req.num_computed for req in reqs],
+                           [req.slot for req in reqs], self.step.spare_slot, size, pin=self._pin,
+                           pad_shares_table=self.pad_shares_table)
+        logits, sampled = self._forward(batch.meta)
+        flags = sampled[:, :len(reqs)].tolist()                     # the step's one host sync
+        rows = logits[:len(reqs)]
+        if keep_rows and self.graphs is not None:
+            rows = rows.clone()                                     # the next replay overwrites it
+        tokens = [tok if ok and req.params.temperature == 0 else None
+                  for req, tok, ok in zip(reqs, flags[0], flags[1])]
+        s = self.stats
+        s.steps += 1
+        s.rows += len(reqs)
+        s.padded_rows += size - len(reqs)
+        return rows, tokens
+
+    def _forward(self, meta_host: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.graphs is not None:
+            reason = self.step.capturable()
+            if reason is None:
+                out = self.graphs.run(meta_host)
+                self.stats.graph_replays = self.graphs.replays
+                self.stats.graph_captures = self.graphs.captures
+                return out
+            self.stats.eager_reason = reason
+        return self.step.forward(meta_host.to(self.model.device, non_blocking=True))

@@ -1,0 +1,119 @@
+"""One MLA decode token for B requests at once, over the paged cache (rows and projected K/V).
+
+The reference (model/mla.py MLAttention.forward_projected, one request, T = 1): the new cache
+row, its kv_b_proj projection, the query, attention over every row so far (decompressed K/V
+from the projected cache), the output gate and o_proj. Here the token-wise ops run on the B rows
+(row-invariant), the new row and its projection are written into the pools through each
+request's block table, and attention reads the pools through the tables:
+- the reference decode attention (OPS.attention and OPS.mla_decode empty): the batched paged
+  forms of engine/fast/paged_attention.py (CPU) and kernels/mla/paged.py (CUDA, invariant
+  profile), bitwise the reference's blocked arithmetic;
+- a kernel toggle's decode op with a batched paged form in PAGED_FORMS: that form;
+- any other op in the slots: the op itself one request at a time on the rows it expects
+  (correct, slow, not capturable).
+
+Shape letters: B rows, H heads, C = n + r, Vd, L latent, R = L + r, W = H*(n+Vd), N*bs pool rows,
+P max blocks per request.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ...kernels.mla.absorbed import mla_absorbed
+from ...model import ops
+from ...model.mla import MLAttention, blocked_attention
+from ...model.ops import OPS, sigmoid
+from .absorbed_step import paged_absorbed
+from .paged_attention import paged_attention_cpu
+
+# a kernel toggle's decode op (OPS.mla_decode) -> its batched paged form, which the fast step (and
+# its graphs) runs instead: (layer, q [B, H, C], pool, tables, table_slot, pos) -> [B, H, Vd] fp32
+PAGED_FORMS: dict[Callable, Callable] = {mla_absorbed: paged_absorbed}
+
+
+class PagedMLA:
+    """One MLA layer's pools as the fast step reads them, plus the batch's addressing."""
+
+    def __init__(self, rows: torch.Tensor, kv: torch.Tensor, block_size: int):
+        self.rows = rows.view(-1, rows.shape[-1])          # [N*bs, R] (a view: writes land in the pool)
+        self.kv = kv.view(-1, kv.shape[-1])                # [N*bs, W]
+        self.block_size = block_size
+
+
+def write_rows(pool: PagedMLA, tables: torch.Tensor, table_slot: torch.Tensor, pos: torch.Tensor,
+               rows: torch.Tensor, kv: torch.Tensor) -> None:
+    """Row pos[b] of request b (its table: tables[table_slot[b]]) <- rows[b], kv[b]."""
+    bs = pool.block_size
+    blk = tables[table_slot, pos // bs].long()                                    # [B]
+    flat = blk * bs + pos % bs
+    pool.rows.index_copy_(0, flat, rows.to(pool.rows.dtype))
+    pool.kv.index_copy_(0, flat, kv.to(pool.kv.dtype))
+
+
+def _reference_attention_in_force(x: torch.Tensor) -> bool:
+    if OPS.attention is not None or OPS.mla_decode is not None:
+        return False
+    if not x.is_cuda:
+        return True
+    from ...kernels import gpu_reference
+    return ops.gpu_reference() is gpu_reference
+
+
+def attend(layer: MLAttention, q: torch.Tensor, pool: PagedMLA, tables: torch.Tensor, table_slot: torch.Tensor,
+           pos: torch.Tensor) -> torch.Tensor:
+    """q [B, H, C] of request b at pos[b] over its rows 0..pos[b] -> [B, H, Vd] fp32."""
+    cfg = layer.cfg
+    scale = cfg.qk_head_dim ** -0.5
+    if OPS.mla_decode is not None and OPS.mla_decode in PAGED_FORMS:
+        return PAGED_FORMS[OPS.mla_decode](layer, q, pool, tables, table_slot, pos)
+    if not _reference_attention_in_force(q):
+        return _one_by_one(layer, q, pool, tables, table_slot, pos)
+    if q.is_cuda:
+        from ...kernels.mla.paged import paged_decode_attention
+        return paged_decode_attention(q, pool.rows, pool.kv, tables, table_slot, pos, scale,
+                                      nope=cfg.qk_nope_head_dim, v_dim=cfg.v_head_dim,
+                                      block_size=pool.block_size)
+    return paged_attention_cpu(q, pool.rows, pool.kv, tables.index_select(0, table_slot), pos, scale,
+                               nope=cfg.qk_nope_head_dim, v_dim=cfg.v_head_dim, block_size=pool.block_size)
+
+
+def request_rows(pool: PagedMLA, table: torch.Tensor, n: int, kv: bool = False) -> torch.Tensor:
+    """The first n rows of one request's table [P] -> [n, R] (or [n, W])."""
+    p = torch.arange(n, device=table.device)
+    flat = table[p // pool.block_size].long() * pool.block_size + p % pool.block_size
+    return (pool.kv if kv else pool.rows)[flat]
+
+
+def _one_by_one(layer: MLAttention, q, pool: PagedMLA, tables, table_slot, pos) -> torch.Tensor:
+    """forward_projected's attention for each request alone, with the ops in force."""
+    cfg = layer.cfg
+    h, nope, lat = cfg.num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+    outs = []
+    for b, (slot, p) in enumerate(zip(table_slot.tolist(), pos.tolist())):
+        rows = request_rows(pool, tables[slot], p + 1)
+        q_pos = pos[b:b + 1]
+        if OPS.mla_decode is not None:
+            outs.append(OPS.mla_decode(layer, q[b:b + 1], rows, q_pos))
+            continue
+        kv3 = request_rows(pool, tables[slot], p + 1, kv=True).view(p + 1, h, nope + cfg.v_head_dim)
+        k_rope = rows[:, lat:].unsqueeze(1).expand(-1, h, -1)
+        k, v = torch.cat([kv3[..., :nope], k_rope], -1), kv3[..., nope:]
+        attn = OPS.attention or blocked_attention
+        outs.append(attn(q[b:b + 1], k, v, q_pos, cfg.qk_head_dim ** -0.5))
+    return torch.cat(outs)
+
+
+def mla_decode(layer: MLAttention, x: torch.Tensor, pool: PagedMLA, tables: torch.Tensor,
+               table_slot: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """forward_projected for one token of each of B requests: x [B, D] -> [B, D]; the new rows
+    are written into the pools at pos (their block tables: tables[table_slot])."""
+    cfg, lin = layer.cfg, OPS.linear
+    new_rows = layer.cache_rows(x).to(pool.rows.dtype)                          # [B, R]
+    new_kv = layer.project(new_rows)                                            # [B, W]
+    write_rows(pool, tables, table_slot, pos, new_rows, new_kv)                 # before attending: it sees itself
+    o = attend(layer, layer.queries(x), pool, tables, table_slot, pos)
+    if cfg.mla_output_gate:
+        o = o * sigmoid(lin(x, layer.g_proj.weight).float()).view_as(o)
+    return lin(o.reshape(x.shape[0], -1).to(x.dtype), layer.o_proj.weight)

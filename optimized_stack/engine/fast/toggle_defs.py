@@ -1,0 +1,70 @@
+"""The fast decode path's toggles (both exact) and their seeded faults (mutants).
+
+- batched_decode: every plain decode step as one static-shape forward over all running requests
+  (KDA over the state pool in place, MLA over the paged projected K/V, experts on fixed-capacity
+  buffers, greedy sampling on the device), padded to the CUDA-graph ladder; on the reference
+  path's own row-invariant primitives, so exact on the CPU and on the GPU profile;
+- cuda_graphs: that step captured per ladder size and replayed (CUDA only).
+Each mutant is a plausible bug of the change it shadows and a real fault where it can run:
+padding rows that write through a request's block table (fires whenever a batch is padded),
+a conv window stored from the neighbouring row's input, a graph replayed on stale token ids.
+"""
+from __future__ import annotations
+
+import functools
+
+from ...kernels.moe.toggle_defs import GEMM_REGROUP
+from ...toggles import EXACT, Toggle, register
+from .moe_static import routed_static_grouped
+
+ALL = ("logits", "kda_state", "kda_conv", "mla_rows")
+BATCHED = {"continuous_batching": True, "projected_kv_cache": True, "batched_decode": True}
+GRAPHS = {**BATCHED, "cuda_graphs": True}
+CUDA = ("cuda",)
+# scenario tags whose decodes run several requests at once, so batches pad (3, 5, 6, 7 -> 4, 8); the
+# selftest takes the cheapest of them, multi_length (the preemption scenario's 4-block pool runs at
+# most two requests at once: no padding, and the padding fault could not fire there)
+EXERCISED_BY = ("batching", "prefix")
+
+
+def _mut(name: str, of: str, description: str, engine: dict, caught_by: tuple[str, ...], lives_in: str,
+         devices: tuple[str, ...] = ("cpu", "cuda")) -> None:
+    register(Toggle(name=name, description=description, contract=EXACT, touches=ALL, kind="mutant",
+                    engine={**engine, "faults": (name,)}, caught_by=caught_by, lives_in=lives_in,
+                    mutant_of=of, devices=devices, exercised_by=EXERCISED_BY))
+
+
+register(Toggle(
+    name="batched_decode", contract=EXACT, touches=ALL, engine=BATCHED,
+    requires=("continuous_batching", "projected_kv_cache"), exercised_by=EXERCISED_BY,
+    description="plain decode steps as one static-shape forward over every running request: KDA over "
+                "the state pool in place, MLA over the paged projected K/V, experts on fixed-capacity "
+                "buffers, greedy sampling on the device, padded to the graph ladder"))
+
+register(Toggle(
+    name="cuda_graphs", contract=EXACT, touches=ALL, engine=GRAPHS, devices=CUDA,
+    requires=("batched_decode",), exercised_by=EXERCISED_BY,
+    description="the batched decode step captured as CUDA graphs at ladder sizes (1, 2, 4, ... 256) and "
+                "replayed, a batch padded to the next size"))
+
+_mut("mut_fast_pad_shares_table", "batched_decode", "padding rows of the batched decode step read and write "
+     "through the first request's block table (its row 0 is overwritten) instead of the spare block",
+     BATCHED, ("logits", "mla_rows"), "mla/cache")
+_mut("mut_fast_conv_wrong_row", "batched_decode", "the batched decode step stores request i's conv "
+     "window from request i+1's input", BATCHED, ("kda_state", "logits"), "kda/conv")
+_mut("mut_graph_stale_input", "cuda_graphs", "a replayed CUDA graph reads the token ids of its first "
+     "replay (the copy into the static input is skipped)", GRAPHS, ("logits", "tokens"), "engine/graphs",
+     devices=CUDA)
+
+# approx: the static placement with one batched GEMM per projection over every expert (capturable,
+# unlike moe_grouped, whose capacity is read on the host); judged like moe_grouped
+register(Toggle(
+    name="moe_grouped_static", contract=GEMM_REGROUP, touches=("logits",), devices=CUDA,
+    description="routed experts on fixed-capacity [E, T, D] buffers as three batched GEMMs (torch.bmm), "
+                "capturable in a CUDA graph; combine order kept",
+    ops={"moe_experts": routed_static_grouped}))
+register(Toggle(
+    name="mut_moe_grouped_static_drop_last", kind="mutant", mutant_of="moe_grouped_static", contract=GEMM_REGROUP,
+    touches=("logits",), devices=CUDA, description="static grouped experts combined without each row's "
+    "highest expert", caught_by=("drift_budget",), lives_in="moe/ffn",
+    ops={"moe_experts": functools.partial(routed_static_grouped, _drop_last=True)}))
