@@ -351,10 +351,13 @@ def _mutants(run: Run, section: str, model, refs, of: list[str]) -> None:
         run.add(section, item)
 
 
-def section_approx(run: Run, gpu_model) -> None:
+def section_approx(run: Run, gpu_model, only: set[str] | None = None) -> None:
+    """Every approx toggle that runs on one GPU (those in `only`, when given) within its budget,
+    then their mutants: caught?"""
     refs = Runner(gpu_model)
     names = [t.name for t in registry.all_toggles("optimization")
-             if t.contract.kind == "approx" and "cuda" in t.devices and 1 in t.world_sizes]
+             if t.contract.kind == "approx" and "cuda" in t.devices and 1 in t.world_sizes
+             and (only is None or t.name in only)]
     for name in names:
         if run.left() < 40:
             run.add("approx", {"toggle": name, "status": "skip", "reason": "time budget spent"})
@@ -524,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--sections", default=",".join(SECTIONS))
     ap.add_argument("--budget-s", type=float, default=500.0)
-    ap.add_argument("--only", default="", help="exact / mutants sections: only these toggles (comma list)")
+    ap.add_argument("--only", default="", help="exact / mutants / approx sections: only these toggles (comma list)")
     ap.add_argument("--tag", default="", help="a parallel lane: write gpu_exactness_TAG.json only")
     ap.add_argument("--merge", nargs="+", type=Path, default=None,
                     help="join lanes' gpu_exactness_TAG.json into gpu_exactness.{json,md} + summary.json in --out")
@@ -557,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
                                           section_invariance(run, [("k3-small", "k3-small")])),
              "drift": lambda: section_drift(run, cpu_model, gpu_model), "fla": lambda: section_fla(run),
              "exact": lambda: section_exact(run, gpu_model, only), "mutants": lambda: section_mutants(run, gpu_model, only),
-             "approx": lambda: section_approx(run, gpu_model),
+             "approx": lambda: section_approx(run, gpu_model, only),
              "price": lambda: section_price(run)}
     if sections and sections[0] in ("invariance_mini", "controls", "drift", "exact", "mutants", "approx"):
         _wait(run, wait_for, "16")
