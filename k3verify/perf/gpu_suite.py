@@ -42,7 +42,7 @@ def kernel_toggles() -> tuple[str, ...]:
     """Optimizations that swap op slots and run on CUDA, judged on the embedded model on one GPU;
     CUDA-only kernels first (most wanted first: the time budget may cut the tail)."""
     kernels = [t for t in toggle_registry.all_toggles("optimization") if t.ops and "cuda" in t.devices]
-    return tuple(t.name for t in sorted(kernels, key=lambda t: t.devices != ("cuda",)))
+    return tuple(t.name for t in sorted(kernels, key=lambda t: (t.devices != ("cuda",), t.name)))
 
 
 def kernel_mutants() -> tuple[str, ...]:

@@ -15,6 +15,7 @@ import functools
 
 from ...kernels.moe.toggle_defs import GEMM_REGROUP
 from ...toggles import EXACT, Toggle, register
+from ..options import required_options
 from .moe_static import routed_static_grouped
 
 ALL = ("logits", "kda_state", "kda_conv", "mla_rows")
@@ -36,14 +37,14 @@ def _mut(name: str, of: str, description: str, engine: dict, caught_by: tuple[st
 
 register(Toggle(
     name="batched_decode", contract=EXACT, touches=ALL, engine=BATCHED,
-    requires=("continuous_batching", "projected_kv_cache"), exercised_by=EXERCISED_BY,
+    requires=required_options(BATCHED), exercised_by=EXERCISED_BY,
     description="plain decode steps as one static-shape forward over every running request: KDA over "
                 "the state pool in place, MLA over the paged projected K/V, experts on fixed-capacity "
                 "buffers, greedy sampling on the device, padded to the graph ladder"))
 
 register(Toggle(
     name="cuda_graphs", contract=EXACT, touches=ALL, engine=GRAPHS, devices=CUDA,
-    requires=("batched_decode",), exercised_by=EXERCISED_BY,
+    requires=tuple(r for r in required_options(GRAPHS) if r != "cuda_graphs"), exercised_by=EXERCISED_BY,
     description="the batched decode step captured as CUDA graphs at ladder sizes (1, 2, 4, ... 256) and "
                 "replayed, a batch padded to the next size"))
 
