@@ -39,10 +39,10 @@ Adding a toggle: the whole list (README links here; nothing else needs editing)
    engine toggle's `requires` is derived from REQUIRES (engine/toggle_defs.py `_opt`).
 3. Register its mutant beside it: a plausible bug of that very change, `kind="mutant"`,
    `mutant_of=NAME`, the same contract and `touches`, `caught_by` (the check that must fail:
-   "drift_budget" for an approx contract), the `events` of the path it corrupts (its negative
-   control: on a scenario where they never fire it must read `not exercised`, never pass;
-   tests/test_events.py EVENT_MUTANTS names one mutant per declared event) and `lives_in`: the component localisation names
-   first ("kda/mixer", "moe/ffn", ..., k3verify/localize.py), i.e. the first sublayer the
+   "drift_budget" for an approx contract), the `events` of the path it corrupts (on a
+   scenario where they never fire it must read `not exercised`, never pass; every event a
+   toggle declares needs a mutant that declares it: tests/test_events.py) and `lives_in`:
+   the component localisation names first ("kda/mixer", "moe/ffn", ..., k3verify/localize.py), i.e. the first sublayer the
    fault reaches in execution order, which for a shared op (a GEMM) is its first caller, not
    the op; `k3verify selftest` prints where it localised it.
 4. Nothing lists toggles: the suites select by contract (checks/*.toml: all, all-exact,

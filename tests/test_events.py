@@ -18,7 +18,20 @@ from optimized_stack import toggles as registry
 from optimized_stack.errors import K3Error
 from optimized_stack.events import EVENTS, OP_PREFIX
 
-from model_fixtures import model  # noqa: F401
+
+@pytest.fixture(scope="module")
+def model():
+    """The embedded trained k3-mini (what `k3verify all` judges with): its answers, stop tokens
+    and acceptance lengths decide which paths the scenarios drive. One thread (shared box)."""
+    import torch
+    from optimized_stack import load_model
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield load_model()
+    finally:
+        torch.set_num_threads(threads)
+
 
 CPU_W1 = [t for t in registry.all_toggles() if "cpu" in t.devices and 1 in t.world_sizes]
 OPTIMIZATIONS = [t for t in CPU_W1 if t.kind == "optimization"]
@@ -80,7 +93,7 @@ def test_the_selftest_pick_is_in_the_default_set():
 # ---- every event fires where the selftest (premerge) judges the toggle --------------------------
 
 @pytest.mark.parametrize("name", [t.name for t in OPTIMIZATIONS])
-def test_declared_events_fire_on_the_selftest_pick(model, name):  # noqa: F811
+def test_declared_events_fire_on_the_selftest_pick(model, name):
     """The pick is one scenario of the default set, so this proves the default set fires them too."""
     t = registry.get(name)
     pick = choose(t, one=True).names[0]
@@ -102,7 +115,7 @@ CPU_EVENTS = [e for e in declared_events()
 
 
 @pytest.mark.parametrize("event", CPU_EVENTS)
-def test_the_events_mutant_reads_not_exercised_where_the_event_never_fires(model, event):  # noqa: F811
+def test_the_events_mutant_reads_not_exercised_where_the_event_never_fires(model, event):
     m = mutant_for(event)
     runner = Runner(model)
     quiet = [sc for sc in quiet_scenarios() if not runner.run(sc, (m.name,)).events.get(event)]
@@ -122,13 +135,13 @@ FAST_CAUGHT = {"batched_forward", "chunk_cut_on_grid", "prefix_hit_on_generated"
 
 
 @pytest.fixture(scope="module")
-def shared_runner(model):  # noqa: F811
+def shared_runner(model):
     return Runner(model)                 # one reference capture per scenario for the whole module
 
 
 @pytest.mark.parametrize("event", [e if e in FAST_CAUGHT else pytest.param(e, marks=pytest.mark.slow)
                                    for e in CPU_EVENTS])
-def test_the_events_mutant_is_caught_where_the_event_fires(model, shared_runner, event):  # noqa: F811
+def test_the_events_mutant_is_caught_where_the_event_fires(model, shared_runner, event):
     m = mutant_for(event)
     pick = choose(m, one=True).names[0]
     results = check_toggle(model, m.name, build(pick), runner=shared_runner, localize_failures=False)
@@ -140,7 +153,7 @@ def test_the_events_mutant_is_caught_where_the_event_fires(model, shared_runner,
 
 # ---- real answers in multi-turn histories -------------------------------------------------------
 
-def test_multi_turn_histories_carry_the_models_real_answers(model):  # noqa: F811
+def test_multi_turn_histories_carry_the_models_real_answers(model):
     static = build("multi_turn")
     real = realized(model, static)
     assert realized(model, static) is real, "realised once per model"
@@ -157,7 +170,7 @@ def test_multi_turn_histories_carry_the_models_real_answers(model):  # noqa: F81
     assert 0 < reuse["theoretical_block_tokens"] <= reuse["theoretical_tokens"] < reuse["prompt_tokens"]
 
 
-def test_a_checkpoint_saved_at_a_requests_end_is_hit_by_the_next_turn(model):  # noqa: F811
+def test_a_checkpoint_saved_at_a_requests_end_is_hit_by_the_next_turn(model):
     cap = run_scenario(model, build("multi_turn"), ("ckpt_with_mla_tail",))
     assert cap.events["checkpoint_saved_at_end"] and cap.events["prefix_hit_on_generated"]
     m = cap.metrics

@@ -222,18 +222,19 @@ MULTI_TURN_FIRST_PROMPTS = {"s0": 2 * BLOCK_TOKENS, "s1": 2 * BLOCK_TOKENS - 4}
                       "retried turn, a 2-turn subagent forked from a mid-session point")
 def _multi_turn(g: _Gen, scale: float) -> _Parts:
     system = g.text(MULTI_TURN_SYSTEM_TOKENS, lead="System: Answer briefly. ")
-    user, new, gap = _n(40, scale), 12, 16
+    user, new, gap = _n(32, scale), 12, 16
     reqs: list[RequestSpec] = []
     for s, first_len in MULTI_TURN_FIRST_PROMPTS.items():
         first = g.text(first_len - len(system), lead="\nUser: ")
-        reqs += _conversation(g, system, s, turns=3 if s == "s0" else 2, user_tokens=user,
-                              first_arrival=0 if s == "s0" else 1, gap=gap, max_new=new, first_user=first)
-    t0 = reqs[0]
+        reqs += _conversation(g, system, s, turns=2, user_tokens=user, first_arrival=0 if s == "s0" else 1,
+                              gap=gap, max_new=new, first_user=first)
+    t0, t1 = reqs[0], reqs[1]
     # the harness retries turn 0 (a tool timeout): the very same prompt again
-    reqs.append(RequestSpec("s0-t0-retry", t0.prompt_ids, new, arrival_step=3 * gap, session="s0"))
+    reqs.append(RequestSpec("s0-t0-retry", t0.prompt_ids, new, arrival_step=2 * gap, session="s0"))
+    # turn 1's tool call spawns a subagent on the parent's history (answer included), two turns
     task = g.text(user, lead="\nTask: ")
-    reqs += _conversation(g, [], "s0-sub1", turns=2, user_tokens=user, first_arrival=gap + 20, gap=gap,
-                          max_new=new, first_user=task, fork_of=reqs[1])
+    reqs += _conversation(g, [], "s0-sub1", turns=2, user_tokens=user, first_arrival=t1.arrival_step + 20,
+                          gap=gap, max_new=new, first_user=task, fork_of=t1)
     return dict(requests=reqs, meta={"system_prefix_tokens": len(system),
                                      "first_prompt_tokens": dict(MULTI_TURN_FIRST_PROMPTS)})
 
@@ -269,7 +270,7 @@ def _preemption(g: _Gen, scale: float) -> _Parts:
     # r3 and r5 sample (seeded): r3 is the request the pool pressure preempts (the newest running
     # one, LIFO), so its resume must carry on the sampler's stream, not restart it
     reqs = [RequestSpec(f"r{i}", tuple(g.text(_n(n, scale))), 8 + 2 * i,
-                        temperature=0.8 if i in (3, 5) else 0.0, seed=1000 + i if i in (3, 5) else None)
+                        temperature=1.5 if i in (3, 5) else 0.0, seed=1000 + i if i in (3, 5) else None)
             for i, n in enumerate(lengths)]
     # A tight MLA pool is what forces preemption (a small KDA pool only caps concurrency):
     # 256 tokens = 4 blocks, while two of these requests together need up to 6.

@@ -136,9 +136,11 @@ def check_toggle(model, toggle_name: str, scenario, *, localize_failures: bool =
         if not ok and localize_failures:
             res.localization = _localize(model, toggle.name, scenario, ref, first=first)
         return [unexercised(res, toggle, scenario.name, event_evidence(toggle, cand))]
-    cand = runner.run(scenario, (toggle.name,))
+    # a mutant is run to fail: keep its tensors at once instead of re-running it for the findings
+    kept = toggle.kind == "mutant"
+    cand = runner.run(scenario, (toggle.name,), keep=kept)
     verdicts = compare_captures(ref, cand, scenario.name)
-    if not all(v["equal"] for v in verdicts.values()):
+    if not kept and not all(v["equal"] for v in verdicts.values()):
         # deterministic: the same run again, now with tensors kept for the findings
         cand = runner.run(scenario, (toggle.name,), keep=True)
         verdicts = compare_captures(ref, cand, scenario.name)
