@@ -33,12 +33,16 @@ Adding a toggle: the whole list (README links here; nothing else needs editing)
    alike), how it is applied (`ops={slot: fn}`, `engine={...}` or `runner={...}`), where it
    runs (`devices`, `world_sizes`), the scenario tags that put it under load (`exercised_by`;
    tags in k3verify/scenarios/workloads.py; `scenario_tags` only if it applies nowhere else),
-   and `phases` when it is the GPU's fast path of prefill or decode. An engine toggle's
-   `requires` is derived from REQUIRES (engine/toggle_defs.py `_opt`).
+   `phases` when it is the GPU's fast path of prefill or decode, and the `events` that prove
+   its path ran (optimized_stack/events.py: a counter named there, counted where the path
+   runs, or `op:<slot>` for a swapped op slot's calls; a new path needs a new counter). An
+   engine toggle's `requires` is derived from REQUIRES (engine/toggle_defs.py `_opt`).
 3. Register its mutant beside it: a plausible bug of that very change, `kind="mutant"`,
    `mutant_of=NAME`, the same contract and `touches`, `caught_by` (the check that must fail:
-   "drift_budget" for an approx contract) and `lives_in`: the component localisation names
-   first ("kda/mixer", "moe/ffn", ..., k3verify/localize.py), i.e. the first sublayer the
+   "drift_budget" for an approx contract), the `events` of the path it corrupts (on a
+   scenario where they never fire it must read `not exercised`, never pass; every event a
+   toggle declares needs a mutant that declares it: tests/test_events.py) and `lives_in`:
+   the component localisation names first ("kda/mixer", "moe/ffn", ..., k3verify/localize.py), i.e. the first sublayer the
    fault reaches in execution order, which for a shared op (a GEMM) is its first caller, not
    the op; `k3verify selftest` prints where it localised it.
 4. Nothing lists toggles: the suites select by contract (checks/*.toml: all, all-exact,
@@ -47,7 +51,9 @@ Adding a toggle: the whole list (README links here; nothing else needs editing)
    every CUDA kernel toggle with its mutants and times the `phases` sets
    (k3verify/perf/gpu_suite.py). Name it in a suite only for a scenario or gate of its own.
 5. Prove it: `k3verify diff --toggle NAME` (the contract holds), `k3verify selftest` (the
-   mutant is caught by `caught_by` and localised to `lives_in`), `k3verify all` (premerge).
+   mutant is caught by `caught_by` and localised to `lives_in`), `k3verify all` (premerge);
+   tests/test_events.py fails until every declared event fires in the toggle's default scenario
+   set and in the selftest's pick (add or resize a scenario when none fires it).
 6. Record it: the measured drift against its budget in NOTES.md (dated), a row in
    README.md's toggle table, and, for an approx toggle, the count of approx toggles in
    checks/README.md's premerge/release cost estimates (each runs every quality gate).
@@ -56,11 +62,13 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import pkgutil
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterator, Mapping
 
 from .errors import K3Error
+from .events import OP_PREFIX, Events, check_name
 from .model import ops as op_table
 
 TENSORS = ("logits", "kda_state", "kda_conv", "mla_rows")
@@ -136,6 +144,9 @@ class Toggle:
     # the phases this form is the fast path for ("prefill", "decode"): the GPU run times each
     # phase with the toggles that name it and passed (k3verify/perf/gpu_suite.py phase_set)
     phases: tuple[str, ...] = ()
+    # the counters that prove its path ran (optimized_stack/events.py; "op:<slot>" = calls of a
+    # swapped slot): an exact verdict on a scenario where one never fired is `not exercised`
+    events: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in ("optimization", "mutant"):
@@ -159,6 +170,9 @@ class Toggle:
             close = difflib.get_close_matches(bad[0], slots, n=1)
             raise K3Error(f"toggle {self.name!r}: unknown op slot {bad[0]!r}"
                           f"{f'; did you mean {close[0]!r}?' if close else ''} (slots: {', '.join(slots)})")
+        object.__setattr__(self, "events", tuple(self.events))
+        for e in self.events:
+            check_name(e, slots, f"toggle {self.name!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "kind": self.kind, "contract": self.contract.to_dict(),
@@ -169,7 +183,8 @@ class Toggle:
                 "requires": list(self.requires),
                 "scenario_tags": list(self.scenario_tags), "exercised_by": list(self.exercised_by),
                 "caught_by": list(self.caught_by),
-                "lives_in": self.lives_in, "mutant_of": self.mutant_of, "phases": list(self.phases)}
+                "lives_in": self.lives_in, "mutant_of": self.mutant_of, "phases": list(self.phases),
+                "events": list(self.events)}
 
 
 _REGISTRY: dict[str, Toggle] = {}
@@ -219,6 +234,8 @@ class Applied:
     engine: dict[str, Any]
     runner: dict[str, Any]
     ops: dict[str, Callable[..., Any]]
+    # calls of each swapped slot's implementation ("op:<slot>"), counted while applied
+    events: Events = field(default_factory=Events)
 
 
 def _merge(toggles: list[Toggle], attr: str) -> dict[str, Any]:
@@ -242,8 +259,18 @@ def applied(names: list[str] | tuple[str, ...]) -> Iterator[Applied]:
     engine option differently, are refused."""
     toggles = resolve(names)
     result = Applied(toggles, _merge(toggles, "engine"), _merge(toggles, "runner"), _merge(toggles, "ops"))
-    with op_table.override(**result.ops):
+    counted = {slot: _counted(fn, OP_PREFIX + slot, result.events) for slot, fn in result.ops.items()}
+    with op_table.override(**counted):
         yield result
+
+
+def _counted(fn: Callable[..., Any], event: str, events: Events) -> Callable[..., Any]:
+    """fn, counting its calls as `event`; its attributes (a kda_grid mark ...) are kept."""
+    def call(*args: Any, **kw: Any) -> Any:
+        events.fire(event)
+        return fn(*args, **kw)
+    functools.update_wrapper(call, fn)
+    return call
 
 
 _LOADED = False

@@ -27,7 +27,8 @@ def test_applying_a_toggle_changes_op_slots_only_and_restores_them(name):
         want = {k for t in applied.toggles for k in t.ops}
         assert changed == want, f"{name}: slots changed {sorted(changed)}, declared {sorted(want)}"
         for k in toggle.ops:
-            assert now_slots[k] is toggle.ops[k]
+            # the slot holds its implementation wrapped by the call counter (op:<slot> path event)
+            assert now_slots[k].__wrapped__ is toggle.ops[k]
     assert _snapshot() == (classes, slots), f"{name} left the op table changed"
 
 

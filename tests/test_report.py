@@ -244,7 +244,7 @@ def test_markdown_names_failing_check_and_index():
 def test_markdown_escapes_pipes_in_cells():
     report = build_report("r", "c", {}, [_result(status="fail", reason="a | b\nc", check="x|y")])
     row = next(line for line in render_markdown(report).splitlines() if line.startswith("| absorbed_mla"))
-    assert "x\\|y" in row and row.count(" | ") == 13  # 14 columns, no cell broken by the pipe
+    assert "x\\|y" in row and row.count(" | ") == 14  # 15 columns, no cell broken by the pipe
 
 
 def test_junit_parses_and_counts():

@@ -29,6 +29,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _diff_suite(tmp_path: Path, toggles: list[str], name: str = "tiny.toml") -> Path:
+    """A diff check per toggle on `single`: toggles whose path events fire there (a state round
+    trip per decode step, projected rows reused by every decode step)."""
     body = "version = 2\ndescription = \"tiny\"\n" + "".join(
         f'[[check]]\nname = "d-{t}"\nkind = "diff"\ntoggles = ["{t}"]\nscenarios = ["single"]\nscale = 0.25\n'
         for t in toggles)
@@ -42,7 +44,7 @@ def tiny_run(tmp_path_factory):
     """One exact toggle on the single scenario, run through the CLI as a user would."""
     tmp = tmp_path_factory.mktemp("all")
     run_dir = tmp / "run"
-    code = cli.main(["all", "--suite", str(_diff_suite(tmp, ["continuous_batching"])), "--report-dir", str(run_dir)])
+    code = cli.main(["all", "--suite", str(_diff_suite(tmp, ["state_offload_roundtrip"])), "--report-dir", str(run_dir)])
     return code, run_dir
 
 
@@ -52,7 +54,9 @@ def test_tiny_suite_writes_a_valid_combined_report(tiny_run):
     report = load_report(run_dir)                     # validates against the schema
     assert report["summary"]["verdict"] == "pass" and report["summary"]["passed"] == 4
     (v,) = report["verdicts"]
-    assert (v["toggle"], v["verdict"]) == ("continuous_batching", "counted") and v["scenarios"] == ["single"]
+    assert (v["toggle"], v["verdict"]) == ("state_offload_roundtrip", "counted") and v["scenarios"] == ["single"]
+    assert v["events"]["declared"] == ["state_roundtrip"] and v["events"]["fired"]["state_roundtrip"] > 0
+    assert v["events"]["missing"] == []
     assert (run_dir / v["report"]).is_file(), "the verdict links to the toggle's own diff report"
     assert [c["status"] for c in report["suite"]["checks"]] == ["pass"]
     assert len(list((run_dir / "checks").glob("*.json"))) == 1
@@ -66,7 +70,7 @@ class _Killed(Exception):
 
 
 def test_resume_after_interruption_runs_each_unit_exactly_once(tmp_path, capsys):
-    suite = suites.load_suite(str(_diff_suite(tmp_path, ["continuous_batching", "projected_kv_cache"])))
+    suite = suites.load_suite(str(_diff_suite(tmp_path, ["state_offload_roundtrip", "projected_kv_cache"])))
     model = load_model()
     run_dir = tmp_path / "run"
     plan = run_all.new_plan(suite, None, model, "test-resume", "k3verify all --suite tiny")
@@ -76,7 +80,8 @@ def test_resume_after_interruption_runs_each_unit_exactly_once(tmp_path, capsys)
 
     with pytest.raises(_Killed):
         run_all.execute(plan, model, run_dir, after_unit=die)
-    assert [p.name for p in (run_dir / "checks").glob("*.json")] == ["001-d-continuous_batching-continuous_batching-single.json"]
+    assert [p.name for p in (run_dir / "checks").glob("*.json")] == [
+        "001-d-state_offload_roundtrip-state_offload_roundtrip-single.json"]
     assert not (run_dir / "report.json").exists()
     first_file = (run_dir / "checks").glob("*.json").__next__()
     before = first_file.stat().st_mtime_ns
@@ -88,12 +93,28 @@ def test_resume_after_interruption_runs_each_unit_exactly_once(tmp_path, capsys)
     seen = collections.Counter((r["unit"], r["check"]) for r in report["results"])
     assert set(seen.values()) == {1} and len(seen) == 8, f"each check exactly once: {seen}"
     assert {v["toggle"]: v["verdict"] for v in report["verdicts"]} == {
-        "continuous_batching": "counted", "projected_kv_cache": "counted"}
+        "state_offload_roundtrip": "counted", "projected_kv_cache": "counted"}
+
+
+def test_a_toggle_whose_path_never_ran_is_not_counted(tmp_path):
+    """The vacuous pass this gate exists to refuse: continuous batching on one request is
+    bit-identical because nothing was batched. Not exercised, never counted."""
+    run_dir = tmp_path / "run"
+    assert cli.main(["all", "--suite", str(_diff_suite(tmp_path, ["continuous_batching"])), "--report-dir",
+                     str(run_dir)]) == 0                      # nothing failed ...
+    report = load_report(run_dir)
+    assert report["summary"]["passed"] == 0 and report["summary"]["not_exercised"] == 4
+    (v,) = report["verdicts"]
+    assert v["verdict"] == "skipped" and "batched_forward never fired on single" in v["reason"]
+    assert v["events"]["missing"] == ["batched_forward"]
+    assert [c["status"] for c in report["suite"]["checks"]] == ["not_exercised"]
+    text, signed = render_signoff(report)
+    assert not signed, "... but a suite whose check never ran its toggle's path is not signed off"
 
 
 def test_resume_refuses_a_different_suite(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    suite = suites.load_suite(str(_diff_suite(tmp_path, ["continuous_batching"])))
+    suite = suites.load_suite(str(_diff_suite(tmp_path, ["state_offload_roundtrip"])))
     (run_dir).mkdir()
     from k3verify.io import atomic_write_json
     atomic_write_json(run_dir / "plan.json", run_all.new_plan(suite, None, load_model(), "r1", "k3verify all"))
@@ -127,9 +148,10 @@ def test_broken_toggle_is_rejected_with_first_divergence(tmp_path, broken_toggle
 
 def _row(toggle, check, status, reason="r", **extra):
     t = registry.get(toggle)
+    fired = {"events": dict.fromkeys(t.events, 1), "events_missing": []}    # its path ran
     return {"toggle": toggle, "kind": t.kind, "contract": t.contract.describe(), "check": check, "scenario": "single",
             "status": status, "reason": reason, "findings": [], "first_divergence": None, "localization": None,
-            "caught": None, "duration_s": 0.0, "speedup": None, **extra}
+            "caught": None, "duration_s": 0.0, "speedup": None, "evidence": fired, **extra}
 
 
 def test_approx_toggle_counts_only_when_its_quality_gates_pass():
@@ -206,7 +228,7 @@ def test_signoff_signed_on_a_passing_all_report(tiny_run, tmp_path, capsys):
     out = tmp_path / "signoff.md"
     assert cli.main(["signoff", "--report", str(run_dir), "--out", str(out)]) == 0
     text = out.read_text()
-    assert text.rstrip().endswith("\nSIGNED-OFF") and "continuous_batching" in text
+    assert text.rstrip().endswith("\nSIGNED-OFF") and "state_offload_roundtrip" in text
     assert "weights sha256" in text and "numerics key" in text and "sha256 `" in text
 
 
@@ -224,7 +246,7 @@ def test_signoff_not_signed_when_a_suite_check_was_skipped(tiny_run, tmp_path):
 
 def test_signoff_refuses_a_report_that_is_not_from_all(tiny_run, tmp_path):
     _, run_dir = tiny_run
-    report = json.loads((run_dir / "toggles" / "continuous_batching" / "report.json").read_text())
+    report = json.loads((run_dir / "toggles" / "state_offload_roundtrip" / "report.json").read_text())
     _, signed = render_signoff(report)
     assert not signed
 
@@ -232,7 +254,7 @@ def test_signoff_refuses_a_report_that_is_not_from_all(tiny_run, tmp_path):
 @pytest.mark.slow
 def test_kill_9_then_resume_finishes_with_a_valid_report(tmp_path):
     """The real thing: SIGKILL the CLI once the first unit's file is on disk, then --resume."""
-    suite = _diff_suite(tmp_path, ["continuous_batching", "projected_kv_cache", "chunked_prefill"])
+    suite = _diff_suite(tmp_path, ["state_offload_roundtrip", "projected_kv_cache", "prefill_step_api"])
     run_dir = tmp_path / "run"
     exe = [sys.executable, "-m", "k3verify.cli"]
     proc = subprocess.Popen([*exe, "all", "--suite", str(suite), "--report-dir", str(run_dir)], cwd=REPO,

@@ -18,6 +18,7 @@ import torch
 
 from k3verify.run.runner import Runner
 from k3verify.scenarios import workloads
+from k3verify.scenarios.answers import realized
 from k3verify.verdict.gate import check_toggle
 from optimized_stack import K3Error, toggles
 from optimized_stack.engine import Engine, EngineOptions, SamplingParams
@@ -37,6 +38,8 @@ MUTANT_CHECK = {                      # mutant -> (scenario, the check asserted 
     "mut_spec_conv_not_compacted": ("spec_random", "kda_state"),
     "mut_spec_accept_off_by_one": ("spec_random", "tokens"),
     "mut_spec_replay_closed_form": ("spec_random", "kda_state"),
+    # every draft accepted: only where the drafts follow the model (the re-quoted prompt tail)
+    "mut_spec_bonus_off_by_one": ("spec_repetitive", "tokens"),
 }
 
 
@@ -78,12 +81,20 @@ def _judge(model, name, sc, refs):
 @pytest.mark.parametrize("name", SPEC_TOGGLES)
 def test_toggle_bitwise_with_prompt_lookup(model, refs, scenarios, speculators, name, scenario):
     res = _judge(model, name, scenarios[scenario], refs)
-    bad = {c: r.reason for c, r in res.items() if r.status != "pass"}
+    bad = {c: r.reason for c, r in res.items() if r.status not in ("pass", "not_exercised")}
     assert not bad, f"{name} on {scenario}: exact contract broken: {bad}"
     s = _stats(speculators)
     assert s.verify_steps > 0 and s.rollbacks > 0, f"{name} on {scenario}: no draft was ever rejected: {s}"
-    # low acceptance: the shipped model does not follow prompt lookup on either scenario
-    assert s.mean_accepted < 0.3, f"expected near-zero acceptance with prompt lookup, got {s.mean_accepted:.2f}"
+    if scenario == "spec_repetitive":
+        # the re-quoted prompt tail: drafts of the model's own earlier answer, kept in full and in part
+        assert all(r.status == "pass" for r in res.values()), {c: r.reason for c, r in res.items()}
+        assert s.accepted > 0 and s.partial_rollbacks > 0, f"no draft was ever accepted: {s}"
+    else:
+        # random bytes: the model does not follow prompt lookup, so no verification accepts every
+        # draft and the exact verdict says so instead of passing
+        assert s.mean_accepted < 0.3, f"expected near-zero acceptance with prompt lookup, got {s.mean_accepted:.2f}"
+        assert all(r.status == "not_exercised" and "spec_accept_all" in r.reason for r in res.values()), \
+            {c: (r.status, r.reason) for c, r in res.items()}
 
 
 class OracleDrafter(NgramDrafter):
@@ -110,7 +121,7 @@ class OracleDrafter(NgramDrafter):
 
 @pytest.mark.parametrize("name", SPEC_TOGGLES)
 def test_toggle_bitwise_at_high_acceptance(model, refs, scenarios, speculators, monkeypatch, name):
-    sc = scenarios["spec_repetitive"]
+    sc = realized(model, scenarios["spec_repetitive"])       # the prompts the runs feed
     ref = refs.reference(sc)
     seqs = [list(r.prompt_ids) + ref.requests[r.request_id].tokens for r in sc.requests]
     monkeypatch.setattr(OracleDrafter, "sequences", seqs)
@@ -125,7 +136,7 @@ def test_toggle_bitwise_at_high_acceptance(model, refs, scenarios, speculators, 
 
 def test_spec_run_takes_fewer_steps_at_high_acceptance(model, refs, scenarios, monkeypatch):
     """The point of it: accepted drafts turn into fewer engine steps for the same tokens."""
-    sc = scenarios["spec_repetitive"]
+    sc = realized(model, scenarios["spec_repetitive"])       # the prompts the runs feed
     ref = refs.reference(sc)
     monkeypatch.setattr(OracleDrafter, "sequences",
                         [list(r.prompt_ids) + ref.requests[r.request_id].tokens for r in sc.requests])

@@ -135,6 +135,8 @@ def test_tp2_runs_are_deterministic(refs2, scenario):
 def test_tp2_toggle_holds_its_contract(model, refs2, scenario, name):
     res = check_toggle(model, name, scenario, runner=refs2)
     assert res and all(r.status == "pass" for r in res), [(r.check, r.reason) for r in res]
+    fired = res[0].evidence["events"]       # counted on rank 0 (optimized_stack/events.py)
+    assert fired and all(fired.values()), f"{name}: its TP path did not run: {fired}"
     if name == "fused_allreduce_residual":
         # a two-term sum has one order: at W=2 the one-shot sum equals gloo's all-reduce
         assert res[0].evidence["max_ulp"] == 0, res[0].reason

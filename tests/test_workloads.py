@@ -107,17 +107,21 @@ def test_forks_part_exactly_where_claimed(vocab):
 
 def test_multi_turn_resends_history():
     s = build("multi_turn")
-    sessions = {}
-    for r in s.requests:
-        sessions.setdefault(r.session, []).append(r)
-    assert len(sessions) == 3
-    for turns in sessions.values():
-        assert [r.turn for r in turns] == list(range(len(turns)))
-        for prev, cur in itertools.pairwise(turns):
-            assert cur.prompt_ids[:prev.prompt_len] == prev.prompt_ids  # whole previous prompt re-sent
-            assert cur.prompt_len > prev.prompt_len + 20  # plus an assistant stand-in and a new user message
-            assert cur.arrival_step > prev.arrival_step
-    assert "prefix" in s.tags
+    by_id = {r.request_id: r for r in s.requests}
+    children = [r for r in s.requests if r.parent]
+    assert len({r.session for r in s.requests}) == 3 and len(children) >= 4
+    for cur in children:
+        prev = by_id[cur.parent]
+        # the whole previous prompt, a stand-in of the parent's answer length (realised with the
+        # model's real answer: tests/test_events.py), then the new message
+        assert cur.prompt_ids[:prev.prompt_len] == prev.prompt_ids, "whole previous prompt re-sent"
+        assert cur.prompt_len == prev.prompt_len + prev.max_new_tokens + len(cur.extend)
+        assert cur.prompt_ids[-len(cur.extend):] == cur.extend
+        assert cur.arrival_step > prev.arrival_step
+    assert any(r.session.startswith("s0-sub") for r in children), "a subagent forked from mid-session"
+    retry = by_id["s0-t0-retry"]
+    assert retry.prompt_ids == by_id["s0-t0"].prompt_ids and retry.prompt_len % BLOCK_TOKENS == 0
+    assert s.needs_answers and "prefix" in s.tags
 
 
 def test_agentic_reuse_above_ninety_percent():

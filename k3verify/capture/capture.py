@@ -12,7 +12,9 @@ to turn a hash mismatch into ULP / KL findings. Beside every hash the capture re
 tensor's first non-finite element (k3verify.capture.nonfinite: one reduction per tensor, one per
 logits block), because a hash cannot tell a NaN row from a good one. A run the
 sampler stopped (a NaN / +inf row it refuses to pick a token from) keeps what it captured
-and says why in `stopped`. The file format is versioned JSON: v2 adds "finite_checked",
+and says why in `stopped`. `events` holds the run's path counters (optimized_stack/events.py:
+what fired, how often; the gate holds a toggle's declared events against them) and `metrics`
+the engine's reuse statistics (theoretical reusable prefix vs prefix hits). The file format is versioned JSON: v2 adds "finite_checked",
 "stopped" and per request "nonfinite" (only the non-finite items); v1 files (golden
 hashes recorded before v2) still load, with finiteness unknown.
 """
@@ -65,6 +67,8 @@ class Capture:
         self.steps = 0
         self.finite_checked = True          # False: loaded from a v1 file, finiteness unknown
         self.stopped: str | None = None     # why the run stopped early (the sampler refused a row)
+        self.events: dict[str, int] = {}     # path counters of the run (name -> times fired)
+        self.metrics: dict[str, float] = {}  # engine reuse statistics (EngineMetrics.to_dict)
 
     def _item(self, t: torch.Tensor, check: bool = True) -> Item:
         t = t.detach()
@@ -108,6 +112,7 @@ class Capture:
         return {
             "format": CAPTURE_FORMAT, "version": CAPTURE_VERSION, "label": self.label,
             "steps": self.steps, "finite_checked": self.finite_checked, "stopped": self.stopped,
+            "events": dict(sorted(self.events.items())), "metrics": dict(self.metrics),
             "requests": {
                 rid: {"prompt_len": rc.prompt_len, "tokens": rc.tokens, "finish_reason": rc.finish_reason,
                       "logits": {str(p): it.digest for p, it in sorted(rc.logits.items())},
@@ -131,6 +136,8 @@ class Capture:
         cap.steps = data.get("steps", 0)
         cap.finite_checked = version >= 2 and bool(data.get("finite_checked", True))
         cap.stopped = data.get("stopped")
+        cap.events = {str(k): int(v) for k, v in data.get("events", {}).items()}
+        cap.metrics = dict(data.get("metrics", {}))
         for rid, r in data["requests"].items():
             rc = cap.request(rid)
             rc.prompt_len, rc.tokens, rc.finish_reason = r["prompt_len"], r["tokens"], r["finish_reason"]

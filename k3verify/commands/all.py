@@ -92,11 +92,13 @@ class Display:
 
 def verdict_table(report: dict) -> Table:
     table = Table(title=f"k3verify all: {report['suite']['name']} ({report['run_id']})")
-    for col in ("toggle", "contract", "verdict", "counted speedup", "why"):
+    for col in ("toggle", "contract", "verdict", "events fired", "counted speedup", "why"):
         table.add_column(col, overflow="fold")
     from k3verify.report.render_md import format_speedup
     for v in report["verdicts"]:
-        table.add_row(v["toggle"], v["contract"], f"[{COLOURS[v['verdict']]}]{v['verdict']}[/]",
+        ev = v.get("events") or {}
+        fired = f"{len(ev.get('declared', [])) - len(ev.get('missing', []))}/{len(ev.get('declared', []))}" if ev else "-"
+        table.add_row(v["toggle"], v["contract"], f"[{COLOURS[v['verdict']]}]{v['verdict']}[/]", fired,
                       format_speedup(v.get("speedup")) or "-", v["reason"][:160])
     return table
 

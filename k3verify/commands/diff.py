@@ -49,11 +49,12 @@ def add_arguments(parser) -> None:
 
 def results_table(rows: list[dict], title: str) -> Table:
     table = Table(title=title)
-    for col in ("toggle", "contract", "scenario", "check", "status", "reason"):
+    from k3verify.report.render_md import events_cell
+    for col in ("toggle", "contract", "scenario", "check", "status", "events", "reason"):
         table.add_column(col, overflow="fold")
     for d in rows:
         table.add_row(d["toggle"], d["contract"], d["scenario"] or "", d["check"],
-                      f"[{COLOURS[d['status']]}]{d['status']}[/]", d["reason"])
+                      f"[{COLOURS[d['status']]}]{d['status']}[/]", events_cell(d), d["reason"])
     return table
 
 
@@ -108,4 +109,6 @@ def run(args) -> int:
 
 def _result_rows(results: list[dict]) -> list[dict]:
     """What the table shows, for scripts (`jq '.results[] | select(.status == "fail")'`)."""
-    return [{k: r.get(k) for k in ("toggle", "scenario", "check", "status", "reason")} for r in results]
+    return [{**{k: r.get(k) for k in ("toggle", "scenario", "check", "status", "reason")},
+             "events": (r.get("evidence") or {}).get("events", {}),
+             "events_missing": (r.get("evidence") or {}).get("events_missing", [])} for r in results]

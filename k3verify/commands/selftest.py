@@ -33,13 +33,15 @@ def run(args) -> int:
         results = _check.run_units(units, ctx, "selftest", log_prefix="  selftest ")
     run_id, report, paths = _check.write("selftest", args.report_dir, model, results)
     table = Table(title="selftest")
-    for col in ("toggle", "kind", "scenario", "status", "caught", "localised to", "reason"):
+    from k3verify.report.render_md import events_cell
+    for col in ("toggle", "kind", "scenario", "status", "caught", "events", "localised to", "reason"):
         table.add_column(col, overflow="fold")
     rows = report["results"]
     for r in rows:
         loc = (r.get("localization") or {}).get("component") or ""
         caught = "" if r["caught"] is None else str(r["caught"]).lower()
-        table.add_row(r["toggle"], r["kind"], r["scenario"] or "", r["status"], caught, loc, r["reason"][:70])
+        table.add_row(r["toggle"], r["kind"], r["scenario"] or "", r["status"], caught, events_cell(r), loc,
+                      r["reason"][:70])
     con = console()
     con.print(table)
     verdict = report["summary"]["verdict"]
@@ -47,5 +49,6 @@ def run(args) -> int:
     con.print(f"mutants caught: {sum(bool(r['caught']) for r in mutants)}/{len(mutants)}  verdict: {verdict}  "
               f"report: {paths['md']}")
     if args.json:
-        emit_json({"run_id": run_id, "verdict": verdict, "report": str(paths["json"]), "summary": report["summary"]})
+        emit_json({"run_id": run_id, "verdict": verdict, "report": str(paths["json"]), "summary": report["summary"],
+                   "events": {r["toggle"]: (r.get("evidence") or {}).get("events", {}) for r in rows}})
     return 0 if verdict == "pass" else 1

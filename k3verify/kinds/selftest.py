@@ -4,7 +4,9 @@ check that should catch it, and localisation names the component where the mutan
 A check that cannot fail is a defect; this is where the project proves none of its checks is
 one. One unit per registry entry (toggles and mutants), each judged on the cheapest scenario
 that exercises it (scenarios/chooser.py); a toggle that only exists at W > 1 (tensor
-parallel) is judged at its smallest W. `k3verify selftest`, a suite's `kind = "selftest"` and
+parallel) is judged at its smallest W. Each row says which of the entry's declared path
+events fired ("events 3/3: prefix_hit_block=6 ..."): a real toggle whose events did not all
+fire is `not exercised`, never a pass, and a mutant whose path never ran is not caught. `k3verify selftest`, a suite's `kind = "selftest"` and
 the GPU run's verdicts all run these units.
 """
 from __future__ import annotations
@@ -58,20 +60,35 @@ def run(unit: Unit, ctx: Context) -> list[Result]:
         return [Result.skipped(subject, NAME, results[0].reason, scenario=sc.name)]
     failed = {r.check for r in results if r.status == "fail"}
     errors = [r for r in results if r.status == "error"]
+    evidence = next((r.evidence for r in results if "events" in r.evidence), {})
     common = dict(scenario=sc.name, duration_s=sum(r.duration_s for r in results) / max(1, len(results)),
-                  findings=[f for r in results for f in r.findings][:2],
+                  findings=[f for r in results for f in r.findings][:2], evidence=evidence,
                   first_divergence=next((r.first_divergence for r in results if r.first_divergence), None))
+    events = events_line(toggle, evidence)
     if toggle.kind == "optimization":
+        if not failed and not errors and any(r.status == "not_exercised" for r in results):
+            return [Result.not_exercised(subject, "selftest", f"{events}; the path did not run on {sc.name}",
+                                         **common)]
         if not failed and not errors:
-            return [Result.passed(subject, "selftest", "contract holds: " + "; ".join(
+            return [Result.passed(subject, "selftest", f"contract holds ({events}): " + "; ".join(
                 f"{r.check} {r.reason}" for r in results), **common)]
         return [Result.failed(subject, "selftest", "a real toggle failed its contract: " + "; ".join(
             f"{r.check}: {r.reason}" for r in results if r.status == "fail"), **common)]
-    return [_mutant(toggle, subject, results, failed, multi_request=bool(toggle.engine) or world > 1, **common)]
+    return [_mutant(toggle, subject, results, failed, multi_request=bool(toggle.engine) or world > 1,
+                    events=events, **common)]
+
+
+def events_line(toggle, evidence: dict) -> str:
+    """'events 2/3 fired: prefix_hit_block=6, checkpoint_saved=4; missing prefix_hit_on_generated'."""
+    counts = evidence.get("events", {})
+    fired = [f"{e}={n}" for e, n in counts.items() if n]
+    miss = evidence.get("events_missing", [])
+    text = f"events {len(fired)}/{len(toggle.events)} fired" + (f": {', '.join(fired)}" if fired else "")
+    return text + (f"; missing {', '.join(miss)}" if miss else "")
 
 
 def _mutant(toggle, subject: Subject, results: list[Result], failed: set[str], *, multi_request: bool,
-            **common) -> Result:
+            events: str, **common) -> Result:
     caught_by = sorted(failed & set(toggle.caught_by))
     loc = next((r.localization for r in results if r.localization), None)
     where = (loc or {}).get("component")
@@ -90,11 +107,12 @@ def _mutant(toggle, subject: Subject, results: list[Result], failed: set[str], *
             where = f"{where} (first seen; lives in {toggle.lives_in})"
         where_text = ("not localisable by single-process replay (engine / multi-rank fault; see first "
                       "divergence)" if unavailable else f"localised to {where}")
-        return Result.passed(subject, "selftest", f"caught by {', '.join(caught_by)}; {where_text}",
+        return Result.passed(subject, "selftest", f"caught by {', '.join(caught_by)}; {where_text}; {events}",
                              localization=loc, caught=True, **common)
     problems = []
     if not caught:
         problems.append(f"not caught by {', '.join(toggle.caught_by)} (failed checks: {sorted(failed) or 'none'})")
     else:
         problems.append(f"localised to {where!r}, expected {toggle.lives_in!r}")
+    problems.append(events)
     return Result.failed(subject, "selftest", "; ".join(problems), localization=loc, caught=caught, **common)

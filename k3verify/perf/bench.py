@@ -53,8 +53,11 @@ def bench_toggle(model, toggle: str, *, workload_name: str = "decode", scale: fl
                 "checks": [{"check": r.check, "status": r.status, "reason": r.reason} for r in results]}
     ab = interleaved(lambda: run_scenario(model, sc), lambda: run_scenario(model, sc, (toggle,)),
                      repeats=repeats, tokens=scenario_tokens(sc), labels=("reference", toggle))
+    unexercised = [r for r in results if r.status == "not_exercised"]
     if failed:
         counted, why = False, f"contract failed on {sc.name}: {failed[0].check}: {failed[0].reason}"
+    elif unexercised:                   # a speedup on a workload that never ran the toggle's path
+        counted, why = False, f"not exercised on {sc.name}: {unexercised[0].reason}"
     else:
         counted, why = True, f"contract {results[0].contract} held on {sc.name} in this run"
     roof = {}

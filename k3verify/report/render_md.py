@@ -178,6 +178,25 @@ def _caught(value: Any) -> str:
     return {True: "yes", False: "NO"}.get(value, "")
 
 
+def events_cell(row: Mapping[str, Any]) -> str:
+    """'3/3' (declared path events that fired on the row's scenario), '2/3 (no prefix_hit_block)',
+    or '' for a row without path evidence (a gate, a skip)."""
+    ev = row.get("evidence") if isinstance(row.get("evidence"), Mapping) else {}
+    counts = ev.get("events") if isinstance(ev.get("events"), Mapping) else None
+    if counts is None:
+        return ""
+    miss = list(ev.get("events_missing") or [])
+    text = f"{len(counts) - len(miss)}/{len(counts)}"
+    return text + (f" (no {', '.join(miss)})" if miss else "")
+
+
+def events_detail(row: Mapping[str, Any]) -> str:
+    """'prefix_hit_block=6, checkpoint_saved=4' (the declared events' counters)."""
+    ev = row.get("evidence") if isinstance(row.get("evidence"), Mapping) else {}
+    counts = ev.get("events") if isinstance(ev.get("events"), Mapping) else {}
+    return ", ".join(f"{e}={n}" for e, n in counts.items())
+
+
 def render_markdown(report: Mapping[str, Any]) -> str:
     results = [r for r in report.get("results", []) if isinstance(r, Mapping)]
     summary = report.get("summary", {})
@@ -193,9 +212,9 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         "",
         "## Results",
         "",
-        "| toggle | kind | contract | check | scenario | status | mismatched | max ULP | max abs | KL max "
+        "| toggle | kind | contract | check | scenario | status | events | mismatched | max ULP | max abs | KL max "
         "| argmax flips | caught | speedup | time (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         k = key_numbers(r.get("findings", []))
@@ -206,7 +225,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
             shown = f"*{shown}*"
         duration = num(r.get("duration_s"))
         cells = [r.get("toggle"), r.get("kind"), r.get("contract"), r.get("check"), r.get("scenario") or "-", shown,
-                 k["mismatched"], k["max_ulp"], k["max_abs"], k["kl"], k["flips"], _caught(r.get("caught")),
+                 events_cell(r), k["mismatched"], k["max_ulp"], k["max_abs"], k["kl"], k["flips"], _caught(r.get("caught")),
                  format_speedup(r.get("speedup")), "" if duration is None else f"{duration:.2f}"]
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
 
@@ -230,6 +249,11 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     if unexercised:
         lines += ["", "## Not exercised (not a pass: the toggle's code path never ran)", ""]
         lines += [f"- {result_title(r)}: {_cell(r.get('reason', ''))}" for r in unexercised]
+
+    counted = [r for r in results if events_detail(r)]
+    if counted:
+        lines += ["", "## Path events (declared counters per row)", ""]
+        lines += [f"- {result_title(r)}: {events_detail(r)}" for r in counted]
 
     skips = [r for r in results if r.get("status") == "skip"]
     if skips:

@@ -13,6 +13,7 @@ from typing import Any
 
 from k3verify.capture.capture import Capture
 from k3verify.run.sequential import run_scenario
+from k3verify.scenarios.answers import realized
 
 
 class Runner:
@@ -25,6 +26,7 @@ class Runner:
 
     def run(self, scenario, toggle_names=(), *, keep: bool = False, force=None) -> Capture:
         """One run of `scenario` with `toggle_names` applied (teacher-forced with `force`)."""
+        scenario = realized(self.model, scenario)       # real answers in multi-turn histories
         if self.world_size == 1:
             return run_scenario(self.model, scenario, toggle_names, keep=keep, force=force)
         if self._tp is None:

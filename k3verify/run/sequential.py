@@ -19,12 +19,14 @@ import torch
 from safetensors.torch import load, save
 
 from k3verify.capture.capture import Capture
+from k3verify.scenarios.answers import realized
 from optimized_stack import toggles as toggle_registry
+from optimized_stack.events import Events
 from optimized_stack.engine.options import SamplingParams
 from optimized_stack.engine.sampler import NonFiniteLogits, Sampler
 from optimized_stack.model.model import RequestState
 
-RUNNER_OPTIONS = {"prefill_chunk", "state_roundtrip", "roundtrip_drops_conv"}
+RUNNER_OPTIONS = {"prefill_chunk", "state_roundtrip", "roundtrip_drops_conv", "step_api_resets_conv"}
 
 
 @dataclass
@@ -39,19 +41,23 @@ def run_scenario(model, scenario, toggle_names: tuple[str, ...] | list[str] = ()
                  observers: list[Any] = ()) -> Capture:
     """Run every request of `scenario` with `toggle_names` applied; returns the Capture."""
     cap = Capture(keep=keep, label="+".join(toggle_names) or "reference")
+    scenario = realized(model, scenario)
+    events = Events()
     with toggle_registry.applied(list(toggle_names)) as applied:
         unknown = set(applied.runner) - RUNNER_OPTIONS
         if unknown:
             raise ValueError(f"unknown runner option {sorted(unknown)[0]!r}; known: {sorted(RUNNER_OPTIONS)}")
         try:
             if applied.engine:
-                _run_engine(model, scenario, applied.engine, [cap, *observers], force)
+                cap.metrics = _run_engine(model, scenario, applied.engine, [cap, *observers], force, events)
             else:
-                _run_sequential(model, scenario, applied.runner, [cap, *observers], force)
+                _run_sequential(model, scenario, applied.runner, [cap, *observers], force, events)
         except NonFiniteLogits as exc:
             # observers saw the row before the sampler refused it: the capture holds its
             # location, and every comparator fails a stopped or non-finite capture
             cap.stopped = str(exc)
+        events.update(applied.events)
+    cap.events = dict(events)
     return cap
 
 
@@ -59,6 +65,12 @@ def _emit_state(observers, rid: str, st: RequestState) -> None:
     for layer, kst in st.kda.items():
         for ob in observers:
             ob.on_kda_state(rid, st.num_tokens, layer, kst)
+
+
+def _zero_conv(st: RequestState) -> None:
+    for kst in st.kda.values():
+        for name in ("conv_q", "conv_k", "conv_v"):
+            getattr(kst, name).zero_()
 
 
 def _roundtrip(st: RequestState, drop_conv: bool) -> RequestState:
@@ -85,8 +97,11 @@ def _ordered(scenario):
     return sorted(scenario.requests, key=lambda r: (r.arrival_step, scenario.requests.index(r)))
 
 
-def _run_sequential(model, scenario, opts: dict[str, Any], observers, force) -> None:
+def _run_sequential(model, scenario, opts: dict[str, Any], observers, force, events: Events) -> None:
     chunk = opts.get("prefill_chunk")
+    # seeded fault (mut_step_api_resets_conv): each step-API call after the first starts from
+    # zeroed conv windows, as if it were a new sequence
+    resets_conv = bool(opts.get("step_api_resets_conv"))
     roundtrip = bool(opts.get("state_roundtrip"))
     drop_conv = bool(opts.get("roundtrip_drops_conv"))
     eos = model.config.eos_token_id
@@ -98,8 +113,12 @@ def _run_sequential(model, scenario, opts: dict[str, Any], observers, force) -> 
         st = model.new_state()
         ids = torch.tensor(prompt, dtype=torch.long)
         pieces = [ids] if not chunk else list(ids.split(chunk))
+        if len(pieces) > 1:
+            events.fire("prompt_via_step_api")
         start = 0
         for piece in pieces:
+            if resets_conv and start:
+                _zero_conv(st)
             rows = model.forward(piece, st)
             for ob in observers:
                 ob.on_logits(rid, start, rows)
@@ -110,6 +129,7 @@ def _run_sequential(model, scenario, opts: dict[str, Any], observers, force) -> 
             nonlocal st
             if roundtrip:
                 st = _roundtrip(st, drop_conv)
+                events.fire("state_roundtrip")
             rows = model.forward(torch.tensor([tok]), st)
             for ob in observers:
                 ob.on_logits(rid, st.num_tokens - 1, rows)
@@ -150,7 +170,10 @@ def generate(req, last: torch.Tensor, step: Callable[[int], torch.Tensor], eos: 
     return tokens, "length"
 
 
-def _run_engine(model, scenario, engine_opts: dict[str, Any], observers, force) -> None:
+def _run_engine(model, scenario, engine_opts: dict[str, Any], observers, force,
+                events: Events) -> dict[str, float]:
+    """Run the scenario through the Engine; its path events go into `events`; returns its
+    metrics (reuse statistics: theoretical reusable prefix, prefix hits, hit rate ...)."""
     from optimized_stack.engine import Engine, EngineOptions, SamplingParams
 
     if force:
@@ -169,4 +192,8 @@ def _run_engine(model, scenario, engine_opts: dict[str, Any], observers, force) 
         params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, seed=r.seed)
         engine.add_request(list(r.prompt_ids), params, request_id=r.request_id,
                            arrival_step=r.arrival_step)
-    engine.run()
+    try:
+        engine.run()
+    finally:
+        events.update(engine.events)
+    return engine.metrics.to_dict()

@@ -57,6 +57,7 @@ def _job(ctx: RankContext, scenario, toggle_names: tuple[str, ...], keep: bool,
             _run(tp, scenario, observers, force)
         except NonFiniteLogits as exc:       # raised on every rank before any collective
             cap.stopped = str(exc)
+        cap.events = dict(tp.events + applied.events)
     return cap if ctx.rank == 0 else None
 
 

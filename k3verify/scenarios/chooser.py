@@ -12,8 +12,10 @@ tags, builder) and never builds a scenario to learn them. The rules:
   says so (an automatic choice is always stated);
 - `choose(toggle, one=True, scale=s)`: the cheapest scenario that exercises the toggle, or
   the toggle it mutates ("single" when none does): the selftest proves a check can fail and
-  needs no bigger case. Cheapest means fewest prompt + new tokens at that scale, which does
-  build the few tagged candidates (their size, not their tags, is what is measured);
+  needs no bigger case. Among the candidates, those whose static `fires` claims every event
+  the toggle declares come first (a cheaper one that cannot fire them would judge nothing;
+  tests/test_events.py proves the claims). Cheapest means fewest prompt + new tokens at that
+  scale, which does build the few tagged candidates (their size, not their tags, is measured);
 - `workload(name)`: the bench workloads (agentic, decode, prefill) by scenario.
 """
 from __future__ import annotations
@@ -72,6 +74,8 @@ def _cheapest(toggle, scale: float) -> str:
     candidates = tagged(tags)
     if not candidates:
         return FALLBACK_SCENARIO
+    covering = [n for n in candidates if toggle.events and set(toggle.events) <= set(SCENARIOS[n].fires)]
+    candidates = covering or candidates
     return min(candidates, key=lambda n: scenario_tokens(build(n, scale=scale)))
 
 

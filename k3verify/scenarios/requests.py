@@ -4,8 +4,12 @@ model (the reusable prefix, repeated n-grams).
 Reusable fraction: requests are taken in arrival order (arrival_step, then their
 position); a request's reusable tokens are its longest common prefix with any
 earlier prompt, at token granularity (the engine keeps prefix entries inside a
-block). The fraction is reusable tokens / total prompt tokens. Answers are not
-counted: histories carry a fixed assistant stand-in, not what the model says.
+block). The fraction is reusable tokens / total prompt tokens. A request with a
+`parent` continues that request's prompt with the model's real answer (scenarios/
+answers.py fills it in from the reference run); built without a model it carries a
+stand-in of the same length, so sizes are known statically, and the fraction counts
+the real answers once the scenario is realised. Block reuse counts the same prefix
+rounded down to whole 64-token blocks (what block hashing alone can serve).
 """
 from __future__ import annotations
 
@@ -23,6 +27,9 @@ class RequestSpec:
     seed: int | None = None
     session: str | None = None
     turn: int = 0
+    # multi-turn: this prompt = parent's prompt + parent's generated answer + `extend`
+    parent: str | None = None
+    extend: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -34,6 +41,7 @@ class RequestSpec:
         if bad:
             raise ValueError(f"request {self.request_id}: prompt ids must be ints >= 0, got {bad[0]!r}")
         object.__setattr__(self, "prompt_ids", ids)
+        object.__setattr__(self, "extend", tuple(self.extend))
         for name in ("max_new_tokens", "arrival_step", "turn"):
             value, low = getattr(self, name), 1 if name == "max_new_tokens" else 0
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -81,6 +89,11 @@ class Scenario:
         return sum(r.max_new_tokens for r in self.requests)
 
     @property
+    def needs_answers(self) -> bool:
+        """Whether prompts still carry answer stand-ins (realise with scenarios/answers.py)."""
+        return any(r.parent for r in self.requests) and self.meta.get("answers") != "reference"
+
+    @property
     def max_token_id(self) -> int:
         return max(max(r.prompt_ids) for r in self.requests)
 
@@ -125,6 +138,11 @@ def reusable_prefix_tokens(requests: Sequence[RequestSpec]) -> dict[str, int]:
         out[r.request_id] = max((common_prefix_len(p, r.prompt_ids) for p in seen), default=0)
         seen.append(r.prompt_ids)
     return out
+
+
+def reusable_block_tokens(requests: Sequence[RequestSpec], block: int = 64) -> int:
+    """Reusable prefix tokens rounded down to whole blocks per request (block hashing alone)."""
+    return sum(n - n % block for n in reusable_prefix_tokens(requests).values())
 
 
 def reusable_fraction(requests: Sequence[RequestSpec]) -> float:

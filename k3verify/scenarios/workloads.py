@@ -51,6 +51,10 @@ class ScenarioEntry:
     description: str
     tags: tuple[str, ...]
     builder: Callable[["_Gen", float], dict]
+    # path events (optimized_stack/events.py) the scenario is built to fire under the toggles
+    # its tags exercise: the selftest's chooser prefers a scenario that claims all of a
+    # toggle's events, and tests/test_events.py proves every claim it relies on
+    fires: tuple[str, ...] = ()
 
     def build(self, *, seed: int = 0, scale: float = 1.0, vocab: int = 256) -> Scenario:
         return build(self.name, seed=seed, scale=scale, vocab=vocab)
@@ -59,12 +63,12 @@ class ScenarioEntry:
 SCENARIOS: dict[str, ScenarioEntry] = {}        # in definition order: the chooser's order
 
 
-def scenario(name: str, *, tags: tuple[str, ...], description: str):
+def scenario(name: str, *, tags: tuple[str, ...], description: str, fires: tuple[str, ...] = ()):
     """Register a builder (g, scale) -> {"requests", "engine_hints"?, "meta"?}; names are unique."""
     def register(builder):
         if name in SCENARIOS:
             raise ValueError(f"scenario {name!r} is registered twice")
-        SCENARIOS[name] = ScenarioEntry(name, description, tuple(tags), builder)
+        SCENARIOS[name] = ScenarioEntry(name, description, tuple(tags), builder, tuple(fires))
         return builder
     return register
 
@@ -183,35 +187,56 @@ def _shared_prefix_forks(g: _Gen, scale: float) -> _Parts:
 
 
 def _conversation(g: _Gen, prefix: list[int], session: str, turns: int, user_tokens: int,
-                  assistant_tokens: int, first_arrival: int, gap: int, max_new: int,
-                  first_user: list[int] | None = None) -> tuple[list[RequestSpec], list[list[int]]]:
-    """Turns that re-send the whole history (prefix, user, assistant stand-in, ...) plus a new user message.
-
-    Returns the requests and each turn's history after its assistant stand-in (fork points for subagents).
-    """
-    history = list(prefix)
-    reqs, after = [], []
+                  first_arrival: int, gap: int, max_new: int, first_user: list[int] | None = None,
+                  fork_of: RequestSpec | None = None) -> list[RequestSpec]:
+    """Turns that re-send the whole history (prefix, user, the model's answer, ...) plus a new
+    user message. Each turn after the first names the previous one as `parent`: its prompt is
+    the parent's prompt + the parent's real answer (scenarios/answers.py; a stand-in of
+    max_new tokens until realised) + the new message. `fork_of`: the session starts from that
+    request's history (a subagent forked from a mid-session point)."""
+    reqs: list[RequestSpec] = []
+    parent = fork_of
     for t in range(turns):
         user = first_user if (t == 0 and first_user is not None) else g.text(user_tokens, lead="\nUser: ")
-        prompt = history + user
-        reqs.append(RequestSpec(f"{session}-t{t}", tuple(prompt), max_new,
-                                arrival_step=first_arrival + t * gap, session=session, turn=t))
-        history = prompt + g.text(assistant_tokens, lead="\nAssistant: ")
-        after.append(list(history))
-    return reqs, after
+        if parent is None:
+            prompt, extend, parent_id = list(prefix) + user, (), None
+        else:
+            stand_in = g.text(parent.max_new_tokens, lead="\nAssistant: ")
+            prompt, extend, parent_id = list(parent.prompt_ids) + stand_in + user, tuple(user), parent.request_id
+        req = RequestSpec(f"{session}-t{t}", tuple(prompt), max_new, arrival_step=first_arrival + t * gap,
+                          session=session, turn=t, parent=parent_id, extend=extend)
+        reqs.append(req)
+        parent = req
+    return reqs
+
+
+# multi_turn: turn 0 of session s0 is exactly two blocks, so its retry hits inside block 1 with
+# the tail rows from the cached block; session s1's turn 0 ends 4 tokens before a block boundary,
+# so its answer crosses it and the next turn hits a checkpoint that covers generated tokens.
+MULTI_TURN_SYSTEM_TOKENS = 48
+MULTI_TURN_FIRST_PROMPTS = {"s0": 2 * BLOCK_TOKENS, "s1": 2 * BLOCK_TOKENS - 4}
 
 
 @scenario("multi_turn", tags=("prefix",),
-          description="3 sessions x 3 turns; every turn re-sends the history (assistant stand-in) plus a new "
-                      "user message")
+          description="AgentX in small: 2 sessions re-sending their history with the model's real answers, a "
+                      "retried turn, a 2-turn subagent forked from a mid-session point")
 def _multi_turn(g: _Gen, scale: float) -> _Parts:
-    system = g.text(_n(48, scale), lead="System: Answer briefly. ")
-    reqs = []
-    for s in range(3):
-        conv, _ = _conversation(g, system, f"s{s}", turns=3, user_tokens=_n(28, scale),
-                                assistant_tokens=_n(20, scale), first_arrival=s, gap=10, max_new=6)
-        reqs += conv
-    return dict(requests=reqs)
+    system = g.text(MULTI_TURN_SYSTEM_TOKENS, lead="System: Answer briefly. ")
+    user, new, gap = _n(32, scale), 12, 16
+    reqs: list[RequestSpec] = []
+    for s, first_len in MULTI_TURN_FIRST_PROMPTS.items():
+        first = g.text(first_len - len(system), lead="\nUser: ")
+        reqs += _conversation(g, system, s, turns=2, user_tokens=user, first_arrival=0 if s == "s0" else 1,
+                              gap=gap, max_new=new, first_user=first)
+    t0, t1 = reqs[0], reqs[1]
+    # the harness retries turn 0 (a tool timeout): the very same prompt again
+    reqs.append(RequestSpec("s0-t0-retry", t0.prompt_ids, new, arrival_step=2 * gap, session="s0"))
+    # turn 1's tool call spawns a subagent on the parent's history (answer included), two turns
+    task = g.text(user, lead="\nTask: ")
+    reqs += _conversation(g, [], "s0-sub1", turns=2, user_tokens=user, first_arrival=t1.arrival_step + 20,
+                          gap=gap, max_new=new, first_user=task, fork_of=t1)
+    return dict(requests=reqs, meta={"system_prefix_tokens": len(system),
+                                     "first_prompt_tokens": dict(MULTI_TURN_FIRST_PROMPTS)})
 
 
 @scenario("long_prompt", tags=("long",),
@@ -238,47 +263,60 @@ def _eviction(g: _Gen, scale: float) -> _Parts:
 
 
 @scenario("preemption", tags=("preemption",),
-          description="six concurrent requests over a 4-block MLA pool and four KDA state slots: preempt, swap "
-                      "and resume")
+          description="six concurrent requests (two sampled) over a 4-block MLA pool and four KDA state slots: "
+                      "preempt, swap and resume")
 def _preemption(g: _Gen, scale: float) -> _Parts:
     lengths = [40, 90, 65, 120, 30, 75]
-    reqs = [RequestSpec(f"r{i}", tuple(g.text(_n(n, scale))), 8 + 2 * i) for i, n in enumerate(lengths)]
+    # r3 and r5 sample (seeded): r3 is the request the pool pressure preempts (the newest running
+    # one, LIFO), so its resume must carry on the sampler's stream, not restart it
+    reqs = [RequestSpec(f"r{i}", tuple(g.text(_n(n, scale))), 8 + 2 * i,
+                        temperature=1.5 if i in (3, 5) else 0.0, seed=1000 + i if i in (3, 5) else None)
+            for i, n in enumerate(lengths)]
     # A tight MLA pool is what forces preemption (a small KDA pool only caps concurrency):
     # 256 tokens = 4 blocks, while two of these requests together need up to 6.
     return dict(requests=reqs, engine_hints={"kda_pool_slots": 4, "device_cache_tokens": 256})
 
 
 @scenario("agentic", tags=("prefix", "agentic"),
-          description="AgentX shape: shared system/tools prefix, sessions re-sending their history, subagents "
-                      "forked from a parent's history")
+          description="AgentX shape: shared system/tools prefix, sessions re-sending their history with the "
+                      "model's real answers, subagents forked from a parent's history")
 def _agentic(g: _Gen, scale: float) -> _Parts:
     tools = "".join(f"tool {name}(path): {g.sentence(3, 6)}\n" for name in _TOOLS)
     prefix = g.text(_n(512, scale), lead="System: You are a coding agent.\nTools:\n" + tools)
     reqs: list[RequestSpec] = []
     for s in range(2):
-        conv, after = _conversation(g, prefix, f"s{s}", turns=6, user_tokens=_n(20, scale),
-                                    assistant_tokens=_n(20, scale), first_arrival=s, gap=12, max_new=6)
+        conv = _conversation(g, prefix, f"s{s}", turns=6, user_tokens=_n(20, scale),
+                             first_arrival=s, gap=24, max_new=12)
         reqs += conv
         # Subagents fork the parent's history after turns 1 and 3 and run two turns each; they
         # arrive after the parent's next turn, as a tool call returns before the parent goes on.
         for fork_turn in (1, 3):
             task = g.text(_n(20, scale), lead="\nTask: ")
-            sub, _ = _conversation(g, after[fork_turn], f"s{s}-sub{fork_turn}", turns=2,
-                                   user_tokens=_n(20, scale), assistant_tokens=_n(20, scale),
-                                   first_arrival=conv[fork_turn + 1].arrival_step + 4, gap=12, max_new=6,
-                                   first_user=task)
-            reqs += sub
+            reqs += _conversation(g, [], f"s{s}-sub{fork_turn}", turns=2, user_tokens=_n(20, scale),
+                                  first_arrival=conv[fork_turn + 1].arrival_step + 4, gap=24, max_new=12,
+                                  first_user=task, fork_of=conv[fork_turn])
     return dict(requests=reqs, meta={"system_prefix_tokens": len(prefix)})
 
 
-@scenario("spec_repetitive", tags=("spec",),
-          description="prompts made of repeated sentences: prompt-lookup drafts get accepted")
+# spec_repetitive: after its answer each request re-sends the last REQUOTE_TOKENS of its prompt
+# (an agent re-reading a file it was shown): the drafter then proposes the model's own earlier
+# answer, which the target accepts in full, in part, or not at all
+REQUOTE_TOKENS = 96
+
+
+@scenario("spec_repetitive", tags=("spec",), fires=("spec_accept_all", "spec_accept_partial", "spec_reject_all"),
+          description="repeated sentences, then the model's real answer and the prompt's tail re-quoted: "
+                      "prompt-lookup drafts accepted in full, in part and rejected")
 def _spec_repetitive(g: _Gen, scale: float) -> _Parts:
     reqs = []
     for i in range(3):
         motifs = [g.sentence(3, 5) for _ in range(1 + i)]  # 1, 2, 3 short sentences cycled
         body = "".join(motifs[k % len(motifs)] for k in range(64))
-        reqs.append(RequestSpec(f"rep{i}", tuple(g.fold(body.encode()[:_n(192, scale)])), 24))
+        first = RequestSpec(f"rep{i}", tuple(g.fold(body.encode()[:_n(192, scale)])), 24, arrival_step=i)
+        requote = first.prompt_ids[-REQUOTE_TOKENS:]
+        stand_in = g.text(first.max_new_tokens)
+        reqs += [first, RequestSpec(f"rep{i}-requote", first.prompt_ids + tuple(stand_in) + requote, 24,
+                                    arrival_step=40 + i, parent=first.request_id, extend=requote)]
     return dict(requests=reqs)
 
 

@@ -32,6 +32,10 @@ def _verdict_rows(report: Mapping[str, Any]) -> list[list[str]]:
         evidence = v["reason"]
         if v.get("first_divergence"):
             evidence += f" (first divergence: {format_mapping(v['first_divergence'])})"
+        ev = v.get("events") or {}
+        if ev.get("declared"):
+            fired = ", ".join(f"{e}={n}" for e, n in ev.get("fired", {}).items())
+            evidence += f" [events {len(ev['declared']) - len(ev.get('missing', []))}/{len(ev['declared'])}: {fired}]"
         rows.append([v["toggle"], v["contract"], v["verdict"].upper() if v["verdict"] == "rejected" else v["verdict"],
                      evidence, format_speedup(v.get("speedup")) or "-", v.get("report") or ""])
     return rows

@@ -7,8 +7,11 @@ Verdict per optimization toggle (mutants are negative controls, not verdicts):
             every quality gate its contract names passed too (a gate passes when one of
             its results passed, none was inconclusive, and it was not only a smoke test);
             the bench speedup (if measured) is counted;
-- skipped:  not counted: nothing proved the contract here (skipped or not exercised), or a
-            quality gate was inconclusive or ran only as a smoke test (the reasons).
+- skipped:  not counted: nothing proved the contract here (skipped or not exercised), a
+            declared path event fired on none of its scenarios, or a quality gate was
+            inconclusive or ran only as a smoke test (the reasons).
+Each verdict carries `events`: the toggle's declared path events, how often each fired summed
+over its scenario set, and those that never fired (the set passes only with none missing).
 """
 from __future__ import annotations
 
@@ -54,6 +57,7 @@ def toggle_verdicts(results: list[dict]) -> list[dict]:
              "scenarios": sorted({r["scenario"] for r in contract_rows if r["scenario"] and r["status"] == "pass"}),
              "speedup": None, "failed_check": None, "first_divergence": None, "localization": None,
              "report": f"toggles/{name}/report.md"}
+        v["events"] = set_events(t, contract_rows)
         bad = [r for r in contract_rows + gate_rows if r["status"] in ("fail", "error")]
         passed = [r for r in contract_rows if r["status"] == "pass"]
         if bad:
@@ -65,6 +69,9 @@ def toggle_verdicts(results: list[dict]) -> list[dict]:
         elif not passed:
             v["reason"] = (_reasons(contract_rows) or _reasons(contract_rows, "not_exercised")
                            or "no check in this suite ran its contract")
+        elif v["events"]["missing"]:
+            v["reason"] = (f"not exercised: {', '.join(v['events']['missing'])} fired on none of "
+                           f"{', '.join(sorted({r['scenario'] for r in contract_rows if r['scenario']}))}")
         else:
             missing = []
             for g in t.contract.quality if t.contract.kind == "approx" else ():
@@ -96,16 +103,51 @@ def toggle_verdicts(results: list[dict]) -> list[dict]:
     return out
 
 
+def set_events(toggle, rows: list[dict]) -> dict:
+    """The toggle's declared events over a set of result rows: counts summed (each scenario's
+    run counted once) and the ones that fired nowhere."""
+    fired = dict.fromkeys(toggle.events, 0)
+    seen = set()
+    for r in rows:
+        ev = (r.get("evidence") or {}).get("events") or {}
+        key = (r.get("scenario"), r.get("suite_check"), r.get("unit"))
+        if not ev or key in seen:
+            continue
+        seen.add(key)
+        for e in fired:
+            fired[e] += int(ev.get(e, 0))
+    return {"declared": list(toggle.events), "fired": fired, "missing": [e for e, n in fired.items() if not n]}
+
+
 def check_statuses(plan: dict, results: list[dict]) -> list[dict]:
     """Per [[check]] of the suite: one status over all its units (what sign-off requires)."""
     out = []
     for c in plan["suite"]["checks"]:
         rows = [r for r in results if r.get("suite_check") == c["name"]]
-        status = _status_of(rows)
+        status = _status_of(_set_judged(rows))
         out.append({"index": c["index"], "name": c["name"], "kind": c["kind"], "status": status,
                     "counts": {s: sum(r["status"] == s for r in rows) for s in STATUSES},
                     "reason": _reasons(rows, status)[:500] if status in ("skip", "inconclusive", "not_exercised")
                     else ""})
+    return out
+
+
+def _set_judged(rows: list[dict]) -> list[dict]:
+    """Rows for a check's status: a toggle's `not exercised` scenarios do not hold the check back
+    when the toggle passed somewhere in the check and every declared event fired in its set
+    (a prefix toggle on `single` proves nothing, and need not: multi_turn proved it)."""
+    out = []
+    for r in rows:
+        if r["status"] == "not_exercised" and r["kind"] == "optimization":
+            mine = [x for x in rows if x["toggle"] == r["toggle"]]
+            try:
+                t = toggle_registry.get(r["toggle"])
+            except K3Error:
+                out.append(r)
+                continue
+            if any(x["status"] == "pass" for x in mine) and not set_events(t, mine)["missing"]:
+                continue
+        out.append(r)
     return out
 
 

@@ -7,6 +7,14 @@ sublayer when not. For an `approx` toggle, one `drift_budget` result: teacher-fo
 reference tokens, max KL, top-1 agreement and max ULP of every logit row, and the final KDA
 state drift, against the declared budget.
 
+Path evidence: every toggle declares the events that prove its code ran (Toggle.events,
+optimized_stack/events.py) and the candidate's capture counts them. A check that held on a
+scenario where a declared event never fired is `not exercised`, naming the missing events,
+never a pass: the toggle's path did not run there, so holding proves nothing. A failure stays
+a failure (a divergence is evidence whatever fired). Every row carries the counters
+(evidence["events"]: declared -> count, "events_missing", "counters": everything that fired,
+and for an engine run "reuse": theoretical reusable prefix vs prefix hits).
+
 Hashes decide equality; a mismatch is re-run with tensors kept to produce the ULP / KL figures
 (deterministic, so the second run is the first). A non-finite item recorded by either capture
 fails the check that owns it with its location, and a drift budget refuses to judge NaN / inf
@@ -22,6 +30,7 @@ from k3verify.compare.captures import (EXACT_CHECKS, compare_captures, drift_ref
 from k3verify.run.runner import Runner
 from k3verify.verdict.result import Result, Subject
 from optimized_stack import toggles as toggle_registry
+from optimized_stack.events import missing as missing_events
 
 
 def model_device(model) -> str:
@@ -68,6 +77,33 @@ def drift_verdict(ref: Capture, cand: Capture, contract) -> tuple[bool, str, lis
         drift.evidence()
 
 
+REUSE_KEYS = ("prompt_tokens", "reusable_tokens", "prefix_hit_tokens", "hit_rate")
+
+
+def event_evidence(toggle, cand: Capture) -> dict:
+    """The counters a verdict shows: declared events with their counts, the missing ones, every
+    counter that fired, and the engine's reuse statistics (theoretical vs achieved)."""
+    ev = {"events": {e: int(cand.events.get(e, 0)) for e in toggle.events},
+          "events_missing": missing_events(toggle.events, cand.events),
+          "counters": dict(sorted(cand.events.items()))}
+    if cand.metrics:
+        ev["reuse"] = {k: cand.metrics[k] for k in REUSE_KEYS if k in cand.metrics}
+    return ev
+
+
+def unexercised(result: Result, toggle, scenario_name: str, evidence: dict) -> Result:
+    """A held check on a scenario where a declared event never fired -> `not exercised`."""
+    result.evidence.update(evidence)
+    miss = evidence["events_missing"]
+    if result.status != "pass" or not miss:
+        return result
+    return Result.not_exercised(
+        result.subject, result.check, f"{result.reason or 'held'}, but {', '.join(miss)} never fired on "
+        f"{scenario_name} ({len(toggle.events) - len(miss)}/{len(toggle.events)} declared events): the "
+        f"toggle's path did not run", scenario=result.scenario, findings=result.findings,
+        duration_s=result.duration_s, evidence=result.evidence)
+
+
 def check_toggle(model, toggle_name: str, scenario, *, localize_failures: bool = True,
                  runner: Runner | None = None) -> list[Result]:
     """Run reference and candidate on one scenario and judge the toggle's contract."""
@@ -80,6 +116,8 @@ def check_toggle(model, toggle_name: str, scenario, *, localize_failures: bool =
         checks = EXACT_CHECKS if contract.kind == "exact" else ("drift_budget",)
         return [Result.skipped(subject, c, skip, scenario=scenario.name) for c in checks]
     t0 = time.perf_counter()
+    from k3verify.scenarios.answers import realized
+    scenario = realized(model, scenario)        # multi-turn histories carry the model's real answers
     ref = runner.reference(scenario)
     # localisation replays on the single-process model, where a TP toggle changes nothing
     localize_failures = localize_failures and runner.world_size == 1
@@ -97,10 +135,12 @@ def check_toggle(model, toggle_name: str, scenario, *, localize_failures: bool =
                           duration_s=time.perf_counter() - t0)
         if not ok and localize_failures:
             res.localization = _localize(model, toggle.name, scenario, ref, first=first)
-        return [res]
-    cand = runner.run(scenario, (toggle.name,))
+        return [unexercised(res, toggle, scenario.name, event_evidence(toggle, cand))]
+    # a mutant is run to fail: keep its tensors at once instead of re-running it for the findings
+    kept = toggle.kind == "mutant"
+    cand = runner.run(scenario, (toggle.name,), keep=kept)
     verdicts = compare_captures(ref, cand, scenario.name)
-    if not all(v["equal"] for v in verdicts.values()):
+    if not kept and not all(v["equal"] for v in verdicts.values()):
         # deterministic: the same run again, now with tensors kept for the findings
         cand = runner.run(scenario, (toggle.name,), keep=True)
         verdicts = compare_captures(ref, cand, scenario.name)
@@ -110,18 +150,20 @@ def check_toggle(model, toggle_name: str, scenario, *, localize_failures: bool =
     state_first = next((verdicts[c]["first"] for c in ("kda_state", "mla_rows") if c in failing),
                        verdicts[failing[0]]["first"] if failing else None)
     loc = _localize(model, toggle.name, scenario, ref, first=state_first) if failing and localize_failures else None
+    evidence = event_evidence(toggle, cand)
     results = []
     for check in EXACT_CHECKS:
         v = verdicts[check]
         if v["equal"]:
-            results.append(Result.passed(subject, check, f"bit-identical ({v['compared']} compared)",
-                                         scenario=scenario.name, duration_s=duration))
+            results.append(unexercised(Result.passed(subject, check, f"bit-identical ({v['compared']} compared)",
+                                                     scenario=scenario.name, duration_s=duration),
+                                       toggle, scenario.name, evidence))
             continue
         findings = ([nonfinite_finding(v["nonfinite"])] if v["nonfinite"]
                     else findings_for(check, v["first"], ref, cand))
         results.append(Result.failed(subject, check, v["reason"], scenario=scenario.name, findings=findings,
                                      first_divergence=v["first"], localization=loc, duration_s=duration,
-                                     evidence={"nonfinite": v["first"]} if v["nonfinite"] else {}))
+                                     evidence={**evidence, **({"nonfinite": v["first"]} if v["nonfinite"] else {})}))
     return results
 
 

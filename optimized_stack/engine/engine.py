@@ -23,7 +23,9 @@ import itertools
 import torch
 
 from ..errors import K3Error
+from ..events import Events
 from ..kernels.kda.grid import grid_in_force, grid_pieces
+from ..model import ops
 from ..model.kda import KDAState
 from ..model.model import K3Model
 from .fast.decoder import FastDecoder
@@ -65,9 +67,11 @@ class Engine:
         self.grid = grid_in_force(model.device, self.opts.kda_grid)
         if self.grid and self.opts.block_size % self.grid:
             raise K3Error(f"Engine: block_size {self.opts.block_size} is not a multiple of the KDA grid {self.grid}")
-        self.store = (PagedStore(model, self.opts, self.grid) if self.opts.paged
-                      else PlainStore(model, self.opts))
-        self.scheduler = Scheduler(self.opts, self.store, self.grid)
+        # path events (optimized_stack/events.py): one counter set shared by every component
+        self.events = Events()
+        self.store = (PagedStore(model, self.opts, self.grid, self.events) if self.opts.paged
+                      else PlainStore(model, self.opts, self.events))
+        self.scheduler = Scheduler(self.opts, self.store, self.grid, self.events)
         self.metrics = EngineMetrics(cache_capacity_tokens=self.store.capacity_tokens())
         self.results: dict[str, RequestResult] = {}
         self.step_index = 0
@@ -77,7 +81,7 @@ class Engine:
         self._trie = PrefixTrie()
         self._eos = model.config.eos_token_id
         # speculative decoding (spec.py): drafts verified in the decode forward, KDA rolled back
-        self.spec = Speculator(model, self.opts) if self.opts.speculative else None
+        self.spec = Speculator(model, self.opts, self.events) if self.opts.speculative else None
         self._emitted: dict[Request, list[int]] = {}       # tokens a verification emitted this step
         # plain decode steps as one static-shape forward (engine/fast), greedy tokens sampled there
         self.fast = FastDecoder(model, self.store, self.opts) if self.opts.batched_decode else None
@@ -175,17 +179,22 @@ class Engine:
             pieces[req] = list(zip(cuts[:-1], cuts[1:]))
             if self.grid and not req.draft:     # every call on the KDA grid (a verification is < grid)
                 pieces[req] = [q for a, b in pieces[req] for q in grid_pieces(a, b, len(req.prompt), self.grid)]
-            if ("mut_chunk_resets_conv" in self.opts.faults and start > 0 and n > 1
-                    and start < len(req.prompt)):
+            fault = ("mut_chunk_aligned_resets_conv" if start % self.opts.block_size == 0
+                     else "mut_chunk_resets_conv")
+            if fault in self.opts.faults and start > 0 and n > 1 and start < len(req.prompt):
                 self.store.zero_conv(req)
         rounds = max((len(p) for p in pieces.values()), default=0)
         for r in range(rounds):
             batch = [(req, p[r]) for req, p in pieces.items() if r < len(p)]
+            if len(batch) > 1:
+                self.events.fire("batched_forward")
             states = [self.store.state_for(req) for req, _ in batch]
             ids = [torch.tensor((req.tokens + req.draft)[a:b], dtype=torch.long) for req, (a, b) in batch]
             recording = (self.spec.recording([(req, st) for (req, _), st in zip(batch, states)])
                          if self.spec is not None else contextlib.nullcontext({}))
-            with recording as records:
+            plain = len(batch) > 1 and "mut_batch_plain_linear" in self.opts.faults
+            with recording as records, (ops.override(linear=ops.plain_linear) if plain
+                                        else contextlib.nullcontext()):
                 outs = self.model.forward_batch(list(zip(ids, states)))
             for (req, (a, b)), st, rows in zip(batch, states, outs):
                 self.metrics.tokens_computed += b - a

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from ..events import Events
+
 Rows = dict[int, torch.Tensor]
 
 
@@ -46,8 +48,11 @@ class SwapEntry:
 
 
 class HostTier:
-    def __init__(self, block_size: int, capacity_tokens: int | None, checkpoint_spacing: int):
+    def __init__(self, block_size: int, capacity_tokens: int | None, checkpoint_spacing: int,
+                 events: Events | None = None, faults: frozenset[str] = frozenset()):
         self.block_size = block_size
+        self.events = events if events is not None else Events()
+        self.faults = faults
         self.max_blocks = None if capacity_tokens is None else capacity_tokens // block_size
         self.max_ckpts = None if capacity_tokens is None else max(1, capacity_tokens // checkpoint_spacing)
         self.blocks: OrderedDict[bytes, HostBlock] = OrderedDict()
@@ -60,7 +65,11 @@ class HostTier:
         if h in self.blocks:
             self.blocks.move_to_end(h)
             return
-        self.blocks[h] = HostBlock(rows_to_host(rows), rows_to_host(kv))
+        if "mut_host_block_aliases" in self.faults:     # the views of the device block, not copies
+            self.blocks[h] = HostBlock(dict(rows), None if kv is None else dict(kv))
+        else:
+            self.blocks[h] = HostBlock(rows_to_host(rows), rows_to_host(kv))
+        self.events.fire("host_put_block")
         while self.max_blocks is not None and len(self.blocks) > self.max_blocks:
             self.blocks.popitem(last=False)
             self.dropped += 1
@@ -69,6 +78,7 @@ class HostTier:
         return h in self.blocks
 
     def get_block(self, h: bytes) -> HostBlock:
+        self.events.fire("host_take_block")
         self.blocks.move_to_end(h)
         return self.blocks[h]
 
@@ -77,6 +87,11 @@ class HostTier:
             self.ckpts.move_to_end(key)
             return
         self.ckpts[key] = ckpt.map(to_host)
+        if "mut_host_ckpt_drops_conv" in self.faults:
+            for st in self.ckpts[key].kda.values():
+                for t in (st.conv_q, st.conv_k, st.conv_v):
+                    t.zero_()
+        self.events.fire("host_put_ckpt")
         while self.max_ckpts is not None and len(self.ckpts) > self.max_ckpts:
             self.ckpts.popitem(last=False)
             self.dropped += 1
@@ -87,7 +102,12 @@ class HostTier:
     def take_ckpt(self, key: Any) -> Any:
         """The checkpoint, copied back for the device (the host keeps its copy)."""
         self.ckpts.move_to_end(key)
-        return self.ckpts[key].map(lambda t: t.clone())
+        self.events.fire("host_take_ckpt")
+        ck = self.ckpts[key].map(lambda t: t.clone())
+        if "mut_host_take_ckpt_bf16" in self.faults:     # the recurrent state comes back via bf16
+            for st in ck.kda.values():
+                st.recurrent = st.recurrent.to(torch.bfloat16).to(st.recurrent.dtype)
+        return ck
 
     # ---- preemption by swap -----------------------------------------------------------
     def swap_out(self, request_id: str, entry: SwapEntry) -> None:

@@ -18,7 +18,16 @@ DRAFTERS = ("ngram",)
 
 # Seeded faults an EngineOptions may carry (each is registered as a mutant toggle).
 FAULTS = {
-    "mut_chunk_resets_conv": "a prefill chunk after the first starts with zeroed conv windows",
+    "mut_batch_plain_linear": "a forward of several requests runs on torch's plain GEMM",
+    "mut_chunk_resets_conv": "a prefill chunk starting off the block grid starts with zeroed conv windows",
+    "mut_chunk_aligned_resets_conv": "a prefill chunk starting on the block grid starts with zeroed conv windows",
+    "mut_inside_hit_tail_short": "a hit inside a block copies the tail from the cached full block one row short",
+    "mut_end_ckpt_counts_unfed": "the end-of-request checkpoint is keyed by len(tokens), counting the unfed sampled token",
+    "mut_host_block_aliases": "a block evicted to the host tier is kept as a view of the device block, not a copy",
+    "mut_host_ckpt_drops_conv": "a checkpoint evicted to the host tier is stored without its conv windows",
+    "mut_host_take_ckpt_bf16": "a checkpoint restored from the host tier comes back with its recurrent state in bf16",
+    "mut_preempt_resets_sampler": "recompute after preemption restarts the request's sampler (its generator reseeded)",
+    "mut_spec_bonus_off_by_one": "when every draft is accepted the bonus token is read from the row before the last",
     "mut_restore_skips_conv": "a prefix hit restores the recurrent state but leaves the conv windows zero",
     "mut_ckpt_one_late": "the checkpoint saved for token n holds the state after n+1",
     "mut_tail_one_short": "the MLA tail stored with a checkpoint is one row short",

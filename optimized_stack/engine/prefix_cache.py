@@ -44,13 +44,14 @@ class Checkpoint:
     kda: Snapshot
     tail: Rows | None = None                 # layer -> [n - j*B, R]
     tail_kv: Rows | None = None              # layer -> [n - j*B, W]
+    covers_generated: bool = False           # n reaches past the saving request's prompt
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "Checkpoint":
         from ..model.kda import KDAState
         kda = {i: KDAState(*(fn(t) for t in st.tensors().values())) for i, st in self.kda.items()}
         tail = None if self.tail is None else {i: fn(t) for i, t in self.tail.items()}
         tail_kv = None if self.tail_kv is None else {i: fn(t) for i, t in self.tail_kv.items()}
-        return Checkpoint(self.num_tokens, kda, tail, tail_kv)
+        return Checkpoint(self.num_tokens, kda, tail, tail_kv, self.covers_generated)
 
 
 @dataclass

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from ..events import Events
 from ..kernels.kda.grid import grid_end
 from ..model.model import RequestState
 from .options import EngineOptions, SamplingParams
@@ -69,8 +70,10 @@ class Store(Protocol):
 
 
 class Scheduler:
-    def __init__(self, opts: EngineOptions, store: Store, grid: int | None = None):
+    def __init__(self, opts: EngineOptions, store: Store, grid: int | None = None,
+                 events: Events | None = None):
         self.opts = opts
+        self.events = events if events is not None else Events()
         self.store = store
         self.grid = grid                                 # KDA grid (kernels/kda/grid.py) or None
         self.waiting: list[Request] = []                 # arrived, sorted by arrival
@@ -108,6 +111,9 @@ class Scheduler:
                 if victim is req:
                     return
             plan[req] = n
+            if req.num_computed < len(req.prompt) and n < req.pending:     # a prefill cut short
+                grid = "on" if (req.num_computed + n) % self.opts.block_size == 0 else "off"
+                self.events.fire(f"chunk_cut_{grid}_grid")
 
         for req in sorted(self.running, key=lambda r: (r.pending > 1, r.start_seq)):
             if req.status == "running":
@@ -145,6 +151,11 @@ class Scheduler:
         return n
 
     def _preempt(self, req: Request) -> None:
+        self.events.fire("preempt_swap" if self.opts.preempt_mode == "swap" else "preempt_recompute")
+        if self.opts.preempt_mode != "swap" and req.generated:
+            self.events.fire("preempt_recompute_generated")
+        if req.params.temperature > 0:
+            self.events.fire("preempt_sampled")
         self.running.remove(req)
         self.store.preempt(req)
         self.preemptions += 1

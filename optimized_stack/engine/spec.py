@@ -44,6 +44,7 @@ from ..model import ops
 from ..model.kda import KDATrace, kda_recurrent_trace, kda_replay, kda_scan
 from ..model.model import K3Model, RequestState
 from ..model.ops import OPS
+from ..events import Events
 from .options import EngineOptions
 from .scheduler import Request
 
@@ -110,9 +111,10 @@ class Record:
 
 
 class Speculator:
-    def __init__(self, model: K3Model, opts: EngineOptions):
+    def __init__(self, model: K3Model, opts: EngineOptions, events: Events | None = None):
         assert opts.speculative is not None
         self.model, self.opts = model, opts
+        self.events = events if events is not None else Events()
         self.strategy = opts.speculative
         self.k = opts.num_draft_tokens
         self.faults = opts.faults
@@ -229,12 +231,17 @@ class Speculator:
             m = 0
             while m < len(draft) and draft[m] == target[m]:
                 m += 1
+            if draft:                        # what verification found (before any seeded fault)
+                self.events.fire("spec_accept_all" if m == len(draft) else
+                                 "spec_reject_all" if m == 0 else "spec_accept_partial")
             if "mut_spec_accept_off_by_one" in self.faults and m < len(draft):
                 m += 1                       # the first rejected draft is kept too
         self.stats.verify_steps += 1
         self.stats.drafted += len(draft)
         self.stats.accepted += m
         self.stats.emitted += m + 1
+        if "mut_spec_bonus_off_by_one" in self.faults and draft and m == len(draft):
+            return draft[:m] + [target[m - 1]]      # the bonus read from the row before the last
         return draft[:m] + [target[m]]
 
     def rollback(self, req: Request, st: RequestState, record: Record, kept: int) -> None:

@@ -19,15 +19,20 @@ COPY = {**CB, "speculative": "copy_states", "num_draft_tokens": NUM_DRAFT_TOKENS
 REPLAY = {**CB, "speculative": "replay_ssm", "num_draft_tokens": NUM_DRAFT_TOKENS}
 
 
+# every verification outcome: all drafts kept (no rollback), some kept, none kept
+SPEC_EVENTS = ("spec_accept_all", "spec_accept_partial", "spec_reject_all")
+
+
 def _opt(name: str, description: str, engine: dict) -> None:
     register(Toggle(name=name, description=description, contract=EXACT, touches=ALL, engine=engine,
-                    requires=required_options(engine), exercised_by=("spec",)))
+                    requires=required_options(engine), exercised_by=("spec",), events=SPEC_EVENTS))
 
 
-def _mut(name: str, of: str, description: str, engine: dict, caught_by: tuple[str, ...], lives_in: str) -> None:
+def _mut(name: str, of: str, description: str, engine: dict, caught_by: tuple[str, ...], lives_in: str,
+         events: tuple[str, ...]) -> None:
     register(Toggle(name=name, description=description, contract=EXACT, touches=ALL, kind="mutant",
                     engine={**engine, "faults": (name,)}, caught_by=caught_by, lives_in=lives_in,
-                    mutant_of=of, exercised_by=("spec",)))
+                    mutant_of=of, exercised_by=("spec",), events=events))
 
 
 _opt("spec_copy_states", f"speculative decoding, {NUM_DRAFT_TOKENS} prompt-lookup drafts per step verified "
@@ -38,10 +43,13 @@ _opt("spec_replay_ssm", f"speculative decoding, {NUM_DRAFT_TOKENS} prompt-lookup
 
 _mut("mut_spec_gate_recompute", "spec_replay_ssm", "replay recomputes the gate from the layer input on "
      "torch's plain GEMM instead of reusing the stored gate (outputs may survive, the state drifts)",
-     REPLAY, ("kda_state",), "kda/recurrent")
+     REPLAY, ("kda_state",), "kda/recurrent", ("spec_accept_partial",))
 _mut("mut_spec_conv_not_compacted", "spec_replay_ssm", "after a rejection the conv windows keep the "
-     "rejected draft tokens", REPLAY, ("kda_state", "logits"), "kda/conv")
+     "rejected draft tokens", REPLAY, ("kda_state", "logits"), "kda/conv", ("spec_accept_partial",))
 _mut("mut_spec_accept_off_by_one", "spec_copy_states", "greedy acceptance also keeps the first rejected "
-     "draft token", COPY, ("tokens",), "engine/spec")
+     "draft token", COPY, ("tokens",), "engine/spec", ("spec_reject_all",))
+_mut("mut_spec_bonus_off_by_one", "spec_copy_states", "when every draft is accepted the bonus token is "
+     "read from the row before the last", COPY, ("tokens",), "engine/spec", ("spec_accept_all",))
 _mut("mut_spec_replay_closed_form", "spec_replay_ssm", "replay via the chunked closed form "
-     "(kernels/kda/chunked.py: cumulative gates, triangular solve) instead of the sequential recurrence", REPLAY, ("kda_state",), "kda/recurrent")
+     "(kernels/kda/chunked.py: cumulative gates, triangular solve) instead of the sequential recurrence", REPLAY, ("kda_state",), "kda/recurrent",
+     ("spec_accept_partial",))

@@ -12,12 +12,14 @@ from __future__ import annotations
 import torch
 
 from ..config import KDA, MLA
+from ..events import Events
 from ..model.kda import KDAState
 from ..model.model import K3Model, RequestState
 from .host_tier import HostBlock, HostTier, SwapEntry, rows_to_host, to_host
 from .kv_cache import PagedMLACache, Rows
 from .options import EngineOptions
 from .prefix_cache import Checkpoint, PrefixCache, PrefixHit
+from .sampler import Sampler
 from .scheduler import Request
 from .state_pool import KDAStatePool
 
@@ -31,8 +33,9 @@ def _round_lower(t: torch.Tensor) -> torch.Tensor:
 
 
 class PlainStore:
-    def __init__(self, model: K3Model, opts: EngineOptions):
+    def __init__(self, model: K3Model, opts: EngineOptions, events: Events | None = None):
         self.model, self.opts = model, opts
+        self.events = events if events is not None else Events()
 
     def admit(self, req: Request) -> bool:
         req.state = self.model.new_state()
@@ -48,6 +51,8 @@ class PlainStore:
 
     def state_for(self, req: Request) -> RequestState:
         assert req.state is not None
+        if req.state.mla_kv is not None:
+            self.events.fire("projected_rows_reused", req.num_computed)
         return req.state
 
     def zero_conv(self, req: Request) -> None:
@@ -78,8 +83,10 @@ class PlainStore:
 
 
 class PagedStore:
-    def __init__(self, model: K3Model, opts: EngineOptions, grid: int | None = None):
+    def __init__(self, model: K3Model, opts: EngineOptions, grid: int | None = None,
+                 events: Events | None = None):
         self.model, self.opts = model, opts
+        self.events = events if events is not None else Events()
         # On a KDA grid (kernels/kda/grid.py) only state computed on the chunked path can be
         # reused: checkpoints at grid points up to the computing request's aligned prompt length,
         # MLA blocks that end there. Sub-block, tail and end-of-request checkpoints lie past it.
@@ -91,16 +98,18 @@ class PagedStore:
         device_tokens = opts.device_cache_tokens or DEFAULT_DEVICE_TOKENS
         num_blocks = device_tokens // opts.block_size
         kv_width = cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) if opts.projected_kv_cache else None
-        self.host = (HostTier(opts.block_size, opts.host_cache_tokens, opts.checkpoint_spacing)
-                     if opts.host_kv_tier else None)
+        self.host = (HostTier(opts.block_size, opts.host_cache_tokens, opts.checkpoint_spacing,
+                              self.events, opts.faults) if opts.host_kv_tier else None)
         spare = 1 if opts.batched_decode else 0        # the fast step's padding rows (engine/fast)
         self.mla = PagedMLACache(self.mla_layers, num_blocks, opts.block_size, cfg.mla_cache_width,
                                  kv_width, next(iter(proto.mla.values())).dtype, model.device,
                                  on_evict=self._block_evicted if self.host else None, spare_blocks=spare)
         slots = opts.kda_pool_slots or (opts.max_num_seqs if opts.continuous_batching else 1)
         self.pool = KDAStatePool(proto.kda, slots, spare=spare)
+        # checkpoint capacity: one per checkpoint spacing of the device pool, at least 4 (was 8:
+        # the eviction scenario's 256-token pool then never evicted a checkpoint to the host tier)
         self.prefix = (PrefixCache(self.mla, self.host, opts.checkpoint_spacing, opts.prefix_cache_subblock,
-                                   max(8, device_tokens // opts.checkpoint_spacing))
+                                   max(4, device_tokens // opts.checkpoint_spacing))
                        if opts.prefix_cache else None)
         self.swap: dict[str, SwapEntry] = {}
         self.faults = opts.faults
@@ -179,6 +188,7 @@ class PagedStore:
             assert b is not None
             if ck.tail is not None:
                 rows, kv = ck.tail, ck.tail_kv
+                self.events.fire("prefix_hit_tail_ckpt")
             elif hit.tail_block in shared:
                 src = shared[hit.tail_block]
                 rows = self.mla.read_block(src)
@@ -187,11 +197,19 @@ class PagedStore:
                 assert hit.tail_block is not None
                 hb = from_host[hit.tail_block]
                 rows, kv = hb.rows, hb.kv
-            self._fill(b, {i: t[:r] for i, t in rows.items()},
-                       None if kv is None else {i: t[:r] for i, t in kv.items()})
+            if ck.tail is None:
+                self.events.fire("prefix_hit_inside_block")
+            # seeded fault: the tail copied from a cached full block one row short
+            keep = r - 1 if ck.tail is None and "mut_inside_hit_tail_short" in self.faults else r
+            self._fill(b, {i: t[:keep] for i, t in rows.items()},
+                       None if kv is None else {i: t[:keep] for i, t in kv.items()})
             req.blocks.append(b)
             if hit.tail_block in shared:
                 self.mla.release(shared[hit.tail_block])
+        if not r:
+            self.events.fire("prefix_hit_block")
+        if ck.covers_generated:
+            self.events.fire("prefix_hit_on_generated")
         self.pool.load(req.slot, ck.kda, skip_conv="mut_restore_skips_conv" in self.faults)
         req.num_computed = hit.num_tokens
         req.hashes = list(hit.block_hashes)
@@ -233,6 +251,8 @@ class PagedStore:
             req.swapped = True
         else:
             req.num_computed = 0
+            if "mut_preempt_resets_sampler" in self.faults:
+                req.sampler = Sampler(req.params)
             req.skip_generated = "mut_recompute_skips_generated" in self.faults and bool(req.generated)
         self._release(req)
 
@@ -249,6 +269,7 @@ class PagedStore:
         self.pool.load(req.slot, entry.kda, skip_conv="mut_preempt_loses_conv" in self.faults)
         req.num_computed = entry.num_tokens
         self.swap_ins += 1
+        self.events.fire("swap_in")
         self._register_full(req)
 
     def _release(self, req: Request) -> None:
@@ -267,6 +288,7 @@ class PagedStore:
         st = RequestState(n, self.pool.view(req.slot), self.mla.gather(req.blocks, n))
         if self.mla.kv is not None:
             st.mla_kv = self.mla.gather(req.blocks, n, kv=True)
+            self.events.fire("projected_rows_reused", n)
         return st
 
     def zero_conv(self, req: Request) -> None:
@@ -335,7 +357,7 @@ class PagedStore:
             self.mla.register(req.blocks[j], req.hashes[j])
         req.registered = full
 
-    def _save_checkpoint(self, req: Request, n: int) -> None:
+    def _save_checkpoint(self, req: Request, n: int, at_end: bool = False) -> None:
         assert self.prefix is not None and req.slot is not None
         bs = self.mla.block_size
         j, r = divmod(n, bs)
@@ -349,8 +371,12 @@ class PagedStore:
             tail = {i: t[:keep].clone() for i, t in self.mla.read_block(req.blocks[j]).items()}
             if self.mla.kv is not None:
                 tail_kv = {i: t[:keep].clone() for i, t in self.mla.read_block(req.blocks[j], kv=True).items()}
-        self.prefix.put(key, Checkpoint(n, self.pool.snapshot(req.slot), tail, tail_kv))
+        self.prefix.put(key, Checkpoint(n, self.pool.snapshot(req.slot), tail, tail_kv,
+                                        covers_generated=n > len(req.prompt)))
         self.checkpoints_saved += 1
+        self.events.fire("checkpoint_saved")
+        if at_end:
+            self.events.fire("checkpoint_saved_at_end")
 
     # ---- results ----------------------------------------------------------------------
     def kda_states(self, req: Request) -> dict:
@@ -363,7 +389,10 @@ class PagedStore:
     def finish(self, req: Request) -> None:
         if (self.prefix is not None and self.opts.prefix_cache_subblock and req.num_computed
                 and not self.grid):               # past the chunked path on a grid
-            self._save_checkpoint(req, req.num_computed)
+            # seeded fault: the end checkpoint keyed by len(tokens), counting the sampled token
+            # that was never fed (its state is the one after num_computed tokens)
+            n = len(req.tokens) if "mut_end_ckpt_counts_unfed" in self.faults else req.num_computed
+            self._save_checkpoint(req, n, at_end=True)
         self._release(req)
 
     @property

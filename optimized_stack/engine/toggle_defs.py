@@ -7,12 +7,12 @@ small device pool (DEVICE_TOKENS, for the k3-mini scenarios); a scenario can ove
 """
 from __future__ import annotations
 
-from ..model import ops
 from ..toggles import EXACT, Toggle, register
 from .options import required_options
 
 ALL = ("logits", "kda_state", "kda_conv", "mla_rows")
-CHUNK_BUDGET = 100          # cuts prompts at non-multiples of the block and checkpoint sizes
+# cuts at 96 (inside a block, off the 64 grid) and 192 (on it), alternating along a long prompt
+CHUNK_BUDGET = 96
 DEVICE_TOKENS = 1024
 
 PC = {"prefix_cache": True}
@@ -21,14 +21,30 @@ TAIL = {**SUB, "ckpt_with_mla_tail": True}
 HOST = {**PC, "host_kv_tier": True, "device_cache_tokens": DEVICE_TOKENS}
 CB = {"continuous_batching": True}
 PRE = {**CB, "preemption": True, "device_cache_tokens": DEVICE_TOKENS}
+SWAP = {**PRE, "preempt_mode": "swap"}
 CHUNK = {"chunked_prefill": True, "token_budget": CHUNK_BUDGET}
 
 
 # scenario tags (k3verify.scenarios.workloads) that put each toggle's mechanism under load
 EXERCISED_BY = {
-    "continuous_batching": ("preemption",), "chunked_prefill": ("long", "boundaries"),
+    "continuous_batching": ("preemption",), "chunked_prefill": ("long",),
     "prefix_cache": ("prefix",), "prefix_cache_subblock": ("prefix",), "ckpt_with_mla_tail": ("prefix",),
-    "projected_kv_cache": ("prefix",), "host_kv_tier": ("eviction",), "preemption": ("preemption",),
+    "projected_kv_cache": ("prefix",), "host_kv_tier": ("eviction", "agentic"), "preemption": ("preemption",),
+    "preempt_swap": ("preemption",),
+}
+
+# the path events that prove each toggle ran (optimized_stack/events.py); tests/test_events.py
+# proves each fires in the toggle's default scenarios and names the mutant that corrupts it
+EVENTS = {
+    "continuous_batching": ("batched_forward",),
+    "chunked_prefill": ("chunk_cut_off_grid", "chunk_cut_on_grid"),
+    "prefix_cache": ("checkpoint_saved", "prefix_hit_block", "prefix_hit_on_generated"),
+    "prefix_cache_subblock": ("prefix_hit_inside_block", "prefix_hit_on_generated"),
+    "ckpt_with_mla_tail": ("prefix_hit_tail_ckpt", "prefix_hit_on_generated"),
+    "projected_kv_cache": ("projected_rows_reused",),
+    "host_kv_tier": ("host_put_block", "host_take_block", "host_put_ckpt", "host_take_ckpt"),
+    "preemption": ("batched_forward", "preempt_recompute_generated", "preempt_sampled"),
+    "preempt_swap": ("preempt_swap", "swap_in"),
 }
 
 
@@ -37,15 +53,15 @@ def _opt(name: str, description: str, engine: dict) -> None:
     # what it requires is options.REQUIRES's (the toggle named after each needed option)
     requires = tuple(o for o in required_options(engine) if o != name)
     register(Toggle(name=name, description=description, contract=EXACT, touches=ALL,
-                    engine=engine, requires=requires, exercised_by=EXERCISED_BY.get(name, ())))
+                    engine=engine, requires=requires, exercised_by=EXERCISED_BY.get(name, ()),
+                    events=EVENTS[name]))
 
 
 def _mut(name: str, of: str, description: str, engine: dict, caught_by: tuple[str, ...], lives_in: str,
-         op_slots: dict | None = None) -> None:
-    faults = {"faults": (name,)} if op_slots is None else {}
+         events: tuple[str, ...]) -> None:
     register(Toggle(name=name, description=description, contract=EXACT, touches=ALL, kind="mutant",
-                    engine={**engine, **faults}, ops=op_slots or {}, caught_by=caught_by, lives_in=lives_in,
-                    mutant_of=of, exercised_by=EXERCISED_BY.get(of, ())))
+                    engine={**engine, "faults": (name,)}, caught_by=caught_by, lives_in=lives_in,
+                    mutant_of=of, exercised_by=EXERCISED_BY.get(of, ()), events=events))
 
 
 _opt("continuous_batching", "many requests per step (prefill chunks and decodes in one forward) "
@@ -63,23 +79,44 @@ _opt("host_kv_tier", f"LRU eviction of MLA blocks and KDA checkpoints to a host 
      f"{DEVICE_TOKENS}-token device pool, restored on a hit", HOST)
 _opt("preemption", f"preempt the newest running request when the {DEVICE_TOKENS}-token MLA pool "
      "runs out; resume by recompute", PRE)
+_opt("preempt_swap", f"preemption under the {DEVICE_TOKENS}-token MLA pool by swap: the request's MLA "
+     "rows and KDA state copied out and loaded back on resume", SWAP)
 
-_mut("mut_batch_plain_linear", "continuous_batching", "continuous batching on torch's plain GEMM "
-     "(a row's bits depend on the batch)", CB, ("logits",), "ops/linear",
-     op_slots={"linear": ops.plain_linear})
-_mut("mut_chunk_resets_conv", "chunked_prefill", "a prefill chunk after the first starts from zeroed "
-     "conv windows", CHUNK, ("kda_state", "logits"), "kda/conv")
+_mut("mut_batch_plain_linear", "continuous_batching", "a forward of several requests runs on torch's "
+     "plain GEMM (a row's bits depend on the batch)", CB, ("logits",), "ops/linear", ("batched_forward",))
+_mut("mut_chunk_resets_conv", "chunked_prefill", "a prefill chunk starting off the block grid starts "
+     "from zeroed conv windows", CHUNK, ("kda_state", "logits"), "kda/conv", ("chunk_cut_off_grid",))
+_mut("mut_chunk_aligned_resets_conv", "chunked_prefill", "a prefill chunk starting on the block grid "
+     "starts from zeroed conv windows", CHUNK, ("kda_state", "logits"), "kda/conv", ("chunk_cut_on_grid",))
 _mut("mut_restore_skips_conv", "prefix_cache", "a prefix hit restores the recurrent state but leaves "
-     "the conv windows zero", PC, ("kda_state", "logits"), "kda/conv")
-_mut("mut_ckpt_one_late", "prefix_cache_subblock", "the checkpoint saved for token n holds the state "
-     "after n+1", SUB, ("kda_state", "logits"), "kda/recurrent")
+     "the conv windows zero", PC, ("kda_state", "logits"), "kda/conv", ("prefix_hit_block",))
+_mut("mut_ckpt_one_late", "prefix_cache", "the checkpoint saved for token n holds the state "
+     "after n+1", PC, ("kda_state", "logits"), "kda/recurrent", ("checkpoint_saved", "prefix_hit_block"))
+_mut("mut_inside_hit_tail_short", "prefix_cache_subblock", "a hit inside a block copies its tail rows "
+     "from the cached full block one row short", SUB, ("logits", "mla_rows"), "mla/cache",
+     ("prefix_hit_inside_block",))
+_mut("mut_end_ckpt_counts_unfed", "ckpt_with_mla_tail", "the end-of-request checkpoint is keyed by "
+     "len(tokens), counting the sampled token that was never fed", TAIL, ("kda_state", "logits"),
+     "kda/recurrent", ("prefix_hit_on_generated",))
 _mut("mut_tail_one_short", "ckpt_with_mla_tail", "the MLA tail stored with a checkpoint is one row "
-     "short (the last row comes from whatever the block held)", TAIL, ("logits", "mla_rows"), "mla/cache")
+     "short (the last row comes from whatever the block held)", TAIL, ("logits", "mla_rows"), "mla/cache",
+     ("prefix_hit_tail_ckpt",))
 _mut("mut_projected_kv_lowp", "projected_kv_cache", "projected K/V rows stored one precision step down (bf16 for fp32 rows, fp8 for bf16)",
-     {"projected_kv_cache": True}, ("logits",), "mla/attention")
+     {"projected_kv_cache": True}, ("logits",), "mla/attention", ("projected_rows_reused",))
+_mut("mut_host_block_aliases", "host_kv_tier", "a block evicted to the host tier is kept as a view of "
+     "the device block (no copy), which the pool then reuses", HOST, ("logits", "mla_rows"), "mla/cache",
+     ("host_put_block", "host_take_block"))
 _mut("mut_stale_block_after_evict", "host_kv_tier", "a block restored from the host tier keeps the "
-     "device block's stale rows", HOST, ("logits", "mla_rows"), "mla/cache")
-_mut("mut_preempt_loses_conv", "preemption", "swap-in after preemption restores the recurrent state "
-     "but not the conv windows", {**PRE, "preempt_mode": "swap"}, ("kda_state", "logits"), "kda/conv")
+     "device block's stale rows", HOST, ("logits", "mla_rows"), "mla/cache", ("host_take_block",))
+_mut("mut_host_ckpt_drops_conv", "host_kv_tier", "a checkpoint evicted to the host tier is stored "
+     "without its conv windows", HOST, ("kda_state", "logits"), "kda/conv", ("host_put_ckpt", "host_take_ckpt"))
+_mut("mut_host_take_ckpt_bf16", "host_kv_tier", "a checkpoint restored from the host tier comes back "
+     "with its recurrent state rounded through bf16", HOST, ("kda_state", "logits"), "kda/recurrent",
+     ("host_take_ckpt",))
+_mut("mut_preempt_loses_conv", "preempt_swap", "swap-in after preemption restores the recurrent state "
+     "but not the conv windows", SWAP, ("kda_state", "logits"), "kda/conv", ("preempt_swap", "swap_in"))
 _mut("mut_recompute_skips_generated", "preemption", "recompute after preemption re-prefills the prompt "
-     "and skips the generated tokens", PRE, ("kda_state", "logits"), "kda/recurrent")
+     "and skips the generated tokens", PRE, ("kda_state", "logits"), "kda/recurrent",
+     ("preempt_recompute_generated",))
+_mut("mut_preempt_resets_sampler", "preemption", "recompute after preemption restarts the request's "
+     "sampler (its generator reseeded)", PRE, ("tokens",), "engine/sampler", ("preempt_sampled",))

@@ -33,9 +33,15 @@ APPROX_TP = Contract("approx", max_kl=1e-6, min_top1=0.98)
 ALL = ("logits", "kda_state", "kda_conv", "mla_rows")
 
 
+# the runner option -> the path event its code counts on rank 0 (tp_model.py, tp_shards.py)
+EVENT_OF = {"tp_dedup": "tp_dedup_gather", "moe_output_shard": "moe_shard_add",
+            "fused_allreduce_residual": "fused_allreduce", "dcp_mla": "dcp_merge"}
+
+
 def _tp(name: str, description: str, contract: Contract, runner: dict, touches=ALL, **kw) -> Toggle:
+    events = tuple(EVENT_OF[k] for k in runner if k in EVENT_OF)
     return register(Toggle(name=name, description=description, contract=contract, touches=touches,
-                           world_sizes=TP_WORLD_SIZES, runner=runner, **kw))
+                           world_sizes=TP_WORLD_SIZES, runner=runner, events=events, **kw))
 
 
 _tp("tp_dedup_router", "router, norms, AttnRes reads and the low-rank projections computed once: "

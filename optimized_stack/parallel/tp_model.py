@@ -32,6 +32,7 @@ import torch
 
 from ..config import KDA
 from ..errors import K3Error
+from ..events import Events
 from ..model.attn_res import AttnResRead
 from ..model.kda import KDAState
 from ..model.model import K3Model, RequestState
@@ -74,6 +75,7 @@ class TPModel:
     def __init__(self, model: K3Model, comm: Comm, opts: TPOptions = TPOptions(), device=None):
         cfg = model.config
         self.config, self.comm, self.opts = cfg, comm, opts
+        self.events = Events()                  # path events of the TP options (optimized_stack/events.py)
         self.device = torch.device(device) if device is not None else model.device
         r, w = comm.rank, comm.world_size
         self.d = cfg.hidden_size
@@ -141,6 +143,7 @@ class TPModel:
         and the results are all-gathered in rank order. Exact iff fn is row-stable."""
         if not self.opts.dedup or self.comm.world_size == 1:
             return fn(*xs)
+        self.events.fire("tp_dedup_gather")
         t_len = xs[0].shape[0]
         sizes = split_sizes(t_len, self.comm.world_size)
         a, b = shard_range(t_len, self.comm.world_size, self.comm.rank)
@@ -162,6 +165,7 @@ class TPModel:
         Fused: one-shot, each rank sums the gathered partials in rank order and adds the
         rest in the same pass (what a fused all-reduce + residual kernel does)."""
         if self.opts.fused_allreduce_residual and self.comm.world_size > 1:
+            self.events.fire("fused_allreduce")
             parts = self.comm.all_gather(part)
             total = parts[0]
             for p in parts[1:]:

@@ -137,6 +137,7 @@ class _MLAShard:
         q = q.view(t_len, self.h, cfg.qk_head_dim)
         scale = cfg.qk_head_dim ** -0.5
         if ctx.opts.dcp_mla:
+            ctx.events.fire("dcp_merge")
             comm = ctx.comm
             keep = q_pos % comm.world_size == comm.rank
             cache = torch.cat([cache, rows_new[keep]], 0)
@@ -241,6 +242,8 @@ class _FFNShard:
         if not self.latent:       # Kimi Linear: routed partials ride in the same all-reduce
             return self.routed(x, idx, w).to(x.dtype) + shared, None
         y = ctx.comm.all_reduce(self.routed(rep[2], idx, w)).to(x.dtype)      # [T, L], whole
+        if opts.moe_output_shard:
+            ctx.events.fire("moe_shard_add")
         if "moe_shard_full_on_every_rank" in opts.faults:
             return shared + lin(rms_norm(y, self.norm_w, cfg.rms_norm_eps), self.up), None
         if opts.moe_output_shard:   # this rank's columns of the routed output, into its partial

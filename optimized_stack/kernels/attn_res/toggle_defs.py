@@ -15,4 +15,5 @@ def _mix_dropping_first_snapshot(candidates, norm_w, proj_w, eps):
 register(Toggle(
     name="mut_attnres_drop_snapshot", kind="mutant", contract=EXACT, touches=("logits",),
     description="AttnRes read drops the oldest block snapshot once two exist",
-    caught_by=("logits",), lives_in="attn_res/mlp_in", ops={"attn_res_mix": _mix_dropping_first_snapshot}))
+    caught_by=("logits",), lives_in="attn_res/mlp_in", ops={"attn_res_mix": _mix_dropping_first_snapshot},
+    events=("op:attn_res_mix",)))

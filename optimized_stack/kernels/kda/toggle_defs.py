@@ -33,22 +33,25 @@ def both(fn) -> dict:
     return {"kda_prefill": fn, "kda_decode": fn}
 
 
+BOTH = ("op:kda_prefill", "op:kda_decode")         # the path events of a form in both slots
+
+
 register(Toggle(
     name="kda_chunked", contract=APPROX_KERNEL, touches=("logits", "kda_state"),
     description="KDA prefill in the chunked UT form (C=64, one triangular solve per chunk) "
-                "instead of the token recurrence", ops={"kda_prefill": kda_chunked}))
+                "instead of the token recurrence", ops={"kda_prefill": kda_chunked}, events=("op:kda_prefill",)))
 
 register(Toggle(
     name="kda_fla_chunk", contract=FLA_KERNEL, touches=("logits", "kda_state"), devices=CUDA,
     description="KDA prefill and decode through fla-core's chunk_kda Triton kernel "
                 "(chunks of 64; a prefill split at a multiple of 64 is bit-identical)",
-    ops=both(fla.fla_chunk), phases=("prefill",)))
+    ops=both(fla.fla_chunk), phases=("prefill",), events=BOTH))
 
 register(Toggle(
     name="kda_fla_recurrent", contract=FLA_RECURRENT, touches=("logits", "kda_state"), devices=CUDA,
     description="KDA through fla-core's fused_recurrent_kda (one kernel per call, the state "
                 "kept in registers across tokens): the decode-step kernel",
-    ops=both(fla.fla_recurrent), phases=("decode",)))
+    ops=both(fla.fla_recurrent), phases=("decode",), events=BOTH))
 
 
 # ---- faults -------------------------------------------------------------------------------
@@ -87,34 +90,39 @@ register(Toggle(
     name="kda_state_bf16", contract=APPROX_KERNEL, touches=("logits", "kda_state"),
     description="KDA recurrent state stored in bf16 between tokens (halves state memory; "
                 "deliberately lossy: must fail its drift budget and the quality gates)",
-    kind="mutant", caught_by=("drift_budget",), lives_in="kda/mixer", ops=both(_recurrent_bf16_state)))
+    kind="mutant", caught_by=("drift_budget",), lives_in="kda/mixer", ops=both(_recurrent_bf16_state), events=BOTH))
 
 register(Toggle(
     name="mut_kda_state_bf16", kind="mutant", contract=EXACT, touches=("kda_state", "logits"),
     description="KDA recurrent state accumulated in bf16", caught_by=("kda_state", "logits"),
-    lives_in="kda/recurrent", ops=both(_recurrent_bf16_state)))
+    lives_in="kda/recurrent", ops=both(_recurrent_bf16_state), events=BOTH))
+
+register(Toggle(
+    name="mut_kda_decode_bf16_state", kind="mutant", contract=EXACT, touches=("kda_state", "logits"),
+    description="KDA recurrent state kept in bf16 in the decode-step slot only", caught_by=("kda_state", "logits"),
+    lives_in="kda/recurrent", ops={"kda_decode": _recurrent_bf16_state}, events=("op:kda_decode",)))
 
 register(Toggle(
     name="mut_kda_decay_after_delta", kind="mutant", contract=EXACT, touches=("kda_state", "logits"),
     description="KDA decay applied after the delta-rule write", caught_by=("kda_state", "logits"),
-    lives_in="kda/recurrent", ops=both(_recurrent_decay_after_delta)))
+    lives_in="kda/recurrent", ops=both(_recurrent_decay_after_delta), events=BOTH))
 
 register(Toggle(
     name="mut_kda_chunk_off_by_one", kind="mutant", mutant_of="kda_chunked", contract=APPROX_KERNEL,
     touches=("logits", "kda_state"), description="chunked KDA with an exclusive (off-by-one) decay cumsum",
     caught_by=("drift_budget",), lives_in="kda/mixer",
-    ops={"kda_prefill": functools.partial(kda_chunked, _gamma_shift=1)}))
+    ops={"kda_prefill": functools.partial(kda_chunked, _gamma_shift=1)}, events=("op:kda_prefill",)))
 
 register(Toggle(
     name="mut_fla_chunk_drops_state", kind="mutant", mutant_of="kda_fla_chunk", contract=FLA_KERNEL,
     touches=("logits", "kda_state"), devices=CUDA,
     description="chunk_kda called without the cached initial_state (each call starts from zeros)",
     caught_by=("drift_budget",), lives_in="kda/mixer",
-    ops=both(functools.partial(fla.fla_chunk, _drop_state=True))))
+    ops=both(functools.partial(fla.fla_chunk, _drop_state=True)), events=BOTH))
 
 register(Toggle(
     name="mut_fla_recurrent_state_transposed", kind="mutant", mutant_of="kda_fla_recurrent",
     contract=FLA_RECURRENT, touches=("logits", "kda_state"), devices=CUDA,
     description="the cached state handed to fused_recurrent_kda as [V, K] (a layout mix-up that "
                 "square heads hide)", caught_by=("drift_budget",), lives_in="kda/mixer",
-    ops=both(functools.partial(fla.fla_recurrent, _transpose_state=True))))
+    ops=both(functools.partial(fla.fla_recurrent, _transpose_state=True)), events=BOTH))

@@ -19,8 +19,9 @@ import torch.nn.functional as F
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                   scale: float) -> torch.Tensor:
-    """Same contract as mla.blocked_attention: q [T, H, C], k [S, H, C], v [S, H, Vd]."""
+                   scale: float, _mask_leaks_next: bool = False) -> torch.Tensor:
+    """Same contract as mla.blocked_attention: q [T, H, C], k [S, H, C], v [S, H, Vd].
+    `_mask_leaks_next` is a seeded fault (a mutant): the mask lets each query see the next key."""
     t_len, s_len = q.shape[0], k.shape[0]
     vd = v.shape[-1]
     if vd < q.shape[-1]:
@@ -28,10 +29,10 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: tor
     qh, kh, vh = (x.float().permute(1, 0, 2).unsqueeze(0) for x in (q, k, v))   # [1, H, *, *]
     start = int(q_pos[0])
     contiguous = bool((q_pos == torch.arange(start, start + t_len, device=q.device)).all())
-    if contiguous and start + t_len == s_len and start == 0:
+    if contiguous and start + t_len == s_len and start == 0 and not _mask_leaks_next:
         out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
     else:
-        visible = torch.arange(s_len, device=q.device).view(1, -1) <= q_pos.view(-1, 1)   # [T, S]
+        visible = torch.arange(s_len, device=q.device).view(1, -1) <= q_pos.view(-1, 1) + int(_mask_leaks_next)  # [T, S]
         out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=visible, scale=scale)
     return out.squeeze(0).permute(1, 0, 2)[..., :vd]
 

@@ -21,13 +21,13 @@ register(Toggle(
     name="moe_grouped", contract=GEMM_REGROUP, touches=("logits",), devices=CUDA,
     description="routed experts as three batched GEMMs over tokens grouped by expert "
                 "(padded [E, rows, D]) instead of a per-expert loop; combine order kept",
-    ops={"moe_experts": routed_grouped}, phases=("prefill", "decode")))
+    ops={"moe_experts": routed_grouped}, phases=("prefill", "decode"), events=("op:moe_experts",)))
 
 register(Toggle(
     name="shared_expert_side_stream", contract=EXACT, touches=("logits",), devices=CUDA,
     description="shared expert on a second CUDA stream, overlapping the router and routed "
                 "experts; joined before the add, same kernels and shapes, so bit-identical",
-    ops={"moe_block": moe_forward_side_stream}, phases=("prefill", "decode")))
+    ops={"moe_block": moe_forward_side_stream}, phases=("prefill", "decode"), events=("op:moe_block",)))
 
 
 # ---- mutants ----------------------------------------------------------------------------
@@ -44,14 +44,15 @@ def _router_bias_in_weights(router, x):
 register(Toggle(
     name="mut_router_bias_in_weights", kind="mutant", contract=EXACT, touches=("logits",),
     description="MoE correction bias used in the combine weights, not only for selection",
-    caught_by=("logits",), lives_in="moe/ffn", ops={"moe_route": _router_bias_in_weights}))
+    caught_by=("logits",), lives_in="moe/ffn", ops={"moe_route": _router_bias_in_weights},
+    events=("op:moe_route",)))
 
 register(Toggle(
     name="mut_moe_grouped_slot0_weight", kind="mutant", mutant_of="moe_grouped", contract=GEMM_REGROUP,
     touches=("logits",), devices=CUDA,
     description="grouped experts combined with the first slot's routing weight for every slot",
     caught_by=("drift_budget",), lives_in="moe/ffn",
-    ops={"moe_experts": functools.partial(routed_grouped, _slot0_weight=True)}))
+    ops={"moe_experts": functools.partial(routed_grouped, _slot0_weight=True)}, events=("op:moe_experts",)))
 
 # On the GPU profile every fp32 GEMM is the Triton IEEE kernel and bf16 runs with TF32 off, so
 # a TF32 leak changes nothing any more (the first mutant of this toggle went void): the seeded
@@ -61,4 +62,4 @@ register(Toggle(
     touches=("logits",), devices=CUDA,
     description="the side stream's shared expert reads row 0's input for every row (a broadcast view "
                 "where a copy was meant)", caught_by=("logits",), lives_in="moe/ffn",
-    ops={"moe_block": functools.partial(moe_forward_side_stream, _row0=True)}))
+    ops={"moe_block": functools.partial(moe_forward_side_stream, _row0=True)}, events=("op:moe_block",)))

@@ -1,0 +1,87 @@
+"""Path events: named counters that prove an optimization's own code ran.
+
+A toggle declares the events of its path (Toggle.events); the engine, its store, host tier,
+scheduler and speculator, the verifier's runners and the op table count them while a
+scenario runs, and the gate refuses to call an exact (or in-budget) verdict a pass on a
+scenario where a declared event never fired: it is `not exercised`, with the event named.
+
+Two families of names:
+- the fixed names below (EVENTS), each counted at one place in the code (named beside it);
+- `op:<slot>` (OP_PREFIX): calls of the implementation a toggle put into an op-table slot
+  (model/ops.py OpTable), counted by the wrapper `toggles.applied` installs.
+"""
+from __future__ import annotations
+
+import difflib
+from collections import Counter
+
+from .errors import K3Error
+
+OP_PREFIX = "op:"
+
+# name -> what fired it (and where it is counted)
+EVENTS = {
+    # engine.py / scheduler.py
+    "batched_forward": "a forward ran more than one request's rows (engine._run_plan)",
+    "chunk_cut_on_grid": "a prefill chunk was cut on the 64-token block grid (scheduler.place)",
+    "chunk_cut_off_grid": "a prefill chunk was cut off the 64-token block grid (scheduler.place)",
+    # store.py: prefix hits by kind, checkpoints
+    "prefix_hit_block": "a prefix hit ending on a block boundary",
+    "prefix_hit_inside_block": "a prefix hit inside a block, its tail rows from a cached full block",
+    "prefix_hit_tail_ckpt": "a prefix hit inside a block, its tail rows stored with the checkpoint",
+    "prefix_hit_on_generated": "a prefix hit on a checkpoint that covers tokens an earlier request generated",
+    "checkpoint_saved": "a KDA checkpoint was stored in the prefix cache",
+    "checkpoint_saved_at_end": "a KDA checkpoint was stored at a request's end (prompt + generated)",
+    "projected_rows_reused": "cached projected K/V rows were handed to a forward (store.state_for)",
+    # host_tier.py / prefix_cache.py / store.py
+    "host_put_block": "an evicted MLA block was copied into the host tier",
+    "host_take_block": "an MLA block was restored from the host tier",
+    "host_put_ckpt": "an evicted KDA checkpoint was copied into the host tier",
+    "host_take_ckpt": "a KDA checkpoint was restored from the host tier",
+    # scheduler.py / store.py: preemption
+    "preempt_recompute": "a request was preempted to be recomputed",
+    "preempt_recompute_generated": "a preempted request had generated tokens that recompute must re-feed",
+    "preempt_swap": "a request was preempted by swapping its state out",
+    "preempt_sampled": "a sampled (temperature > 0) request was preempted",
+    "swap_in": "a swapped-out request's state was loaded back",
+    # spec.py: verification outcomes
+    "spec_accept_all": "a verification accepted every draft",
+    "spec_accept_partial": "a verification accepted some drafts and rejected the rest",
+    "spec_reject_all": "a verification rejected every draft",
+    # k3verify/run/sequential.py (the verifier's runner-level toggles)
+    "prompt_via_step_api": "a prompt was fed through the step API in more than one call",
+    "state_roundtrip": "a request's state was serialised to bytes and restored",
+    # parallel/tp_model.py, tp_shards.py (counted on rank 0)
+    "tp_dedup_gather": "replicated work was row-sharded and all-gathered",
+    "moe_shard_add": "the routed output was column-sharded into the shared expert's partial",
+    "fused_allreduce": "the all-reduce ran fused with the residual add",
+    "dcp_merge": "MLA partial attentions were merged by log-sum-exp across ranks",
+}
+
+
+def check_name(name: str, slots: list[str], owner: str) -> None:
+    """A declared event must be counted somewhere: a known name or op:<known slot>."""
+    if name.startswith(OP_PREFIX):
+        slot = name[len(OP_PREFIX):]
+        if slot not in slots:
+            close = difflib.get_close_matches(slot, slots, n=1)
+            raise K3Error(f"{owner}: event {name!r} names no op slot"
+                          f"{f'; did you mean {OP_PREFIX}{close[0]!r}?' if close else ''}")
+        return
+    if name not in EVENTS:
+        close = difflib.get_close_matches(name, list(EVENTS), n=1)
+        raise K3Error(f"{owner}: unknown event {name!r}{f'; did you mean {close[0]!r}?' if close else ''}")
+
+
+class Events(Counter):
+    """The counters of one run (name -> times fired); `fire` is the only writer."""
+
+    def fire(self, name: str, n: int = 1) -> None:
+        assert name in EVENTS or name.startswith(OP_PREFIX), f"uncounted event name {name!r}"
+        if n:
+            self[name] += n
+
+
+def missing(declared: tuple[str, ...] | list[str], fired: dict[str, int]) -> list[str]:
+    """The declared events that never fired, in declaration order."""
+    return [e for e in declared if not fired.get(e)]
