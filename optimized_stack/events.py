@@ -48,6 +48,10 @@ EVENTS = {
     "spec_accept_all": "a verification accepted every draft",
     "spec_accept_partial": "a verification accepted some drafts and rejected the rest",
     "spec_reject_all": "a verification rejected every draft",
+    # engine/fast/decoder.py: the batched decode step and its graphs
+    "fast_decode_rows": "a request's decode row ran in the batched decode step (FastDecoder.run)",
+    "fast_padded_rows": "the batched decode step ran padding rows up to the ladder size (FastDecoder.run)",
+    "graph_replay": "the batched decode step was replayed from a captured CUDA graph (FastDecoder._forward)",
     # k3verify/run/sequential.py (the verifier's runner-level toggles)
     "prompt_via_step_api": "a prompt was fed through the step API in more than one call",
     "state_roundtrip": "a request's state was serialised to bytes and restored",

@@ -48,6 +48,7 @@ class FastDecoder:
                        if opts.cuda_graphs else None)
         self.pad_shares_table = "mut_fast_pad_shares_table" in opts.faults
         self.stats = FastStats()
+        self.events = store.events                      # the engine's path events (events.py)
         self._pin = model.device.type == "cuda"
 
     def split(self, plan) -> tuple[list, list]:
@@ -85,6 +86,9 @@ class FastDecoder:
         s.steps += 1
         s.rows += len(reqs)
         s.padded_rows += size - len(reqs)
+        self.events.fire("fast_decode_rows", len(reqs))
+        if size > len(reqs):
+            self.events.fire("fast_padded_rows", size - len(reqs))
         return rows, tokens
 
     def _forward(self, meta_host: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,6 +96,7 @@ class FastDecoder:
             reason = self.step.capturable()
             if reason is None:
                 out = self.graphs.run(meta_host)
+                self.events.fire("graph_replay")
                 self.stats.graph_replays = self.graphs.replays
                 self.stats.graph_captures = self.graphs.captures
                 return out

@@ -29,15 +29,16 @@ EXERCISED_BY = ("batching", "prefix")
 
 
 def _mut(name: str, of: str, description: str, engine: dict, caught_by: tuple[str, ...], lives_in: str,
-         devices: tuple[str, ...] = ("cpu", "cuda")) -> None:
+         events: tuple[str, ...], devices: tuple[str, ...] = ("cpu", "cuda")) -> None:
     register(Toggle(name=name, description=description, contract=EXACT, touches=ALL, kind="mutant",
                     engine={**engine, "faults": (name,)}, caught_by=caught_by, lives_in=lives_in,
-                    mutant_of=of, devices=devices, exercised_by=EXERCISED_BY))
+                    mutant_of=of, devices=devices, exercised_by=EXERCISED_BY, events=events))
 
 
 register(Toggle(
     name="batched_decode", contract=EXACT, touches=ALL, engine=BATCHED,
     requires=required_options(BATCHED), exercised_by=EXERCISED_BY,
+    events=("fast_decode_rows", "fast_padded_rows"),
     description="plain decode steps as one static-shape forward over every running request: KDA over "
                 "the state pool in place, MLA over the paged projected K/V, experts on fixed-capacity "
                 "buffers, greedy sampling on the device, padded to the graph ladder"))
@@ -45,17 +46,18 @@ register(Toggle(
 register(Toggle(
     name="cuda_graphs", contract=EXACT, touches=ALL, engine=GRAPHS, devices=CUDA,
     requires=tuple(r for r in required_options(GRAPHS) if r != "cuda_graphs"), exercised_by=EXERCISED_BY,
+    events=("fast_decode_rows", "graph_replay"),
     description="the batched decode step captured as CUDA graphs at ladder sizes (1, 2, 4, ... 256) and "
                 "replayed, a batch padded to the next size"))
 
 _mut("mut_fast_pad_shares_table", "batched_decode", "padding rows of the batched decode step read and write "
      "through the first request's block table (its row 0 is overwritten) instead of the spare block",
-     BATCHED, ("logits", "mla_rows"), "mla/cache")
+     BATCHED, ("logits", "mla_rows"), "mla/cache", ("fast_padded_rows",))
 _mut("mut_fast_conv_wrong_row", "batched_decode", "the batched decode step stores request i's conv "
-     "window from request i+1's input", BATCHED, ("kda_state", "logits"), "kda/conv")
+     "window from request i+1's input", BATCHED, ("kda_state", "logits"), "kda/conv", ("fast_decode_rows",))
 _mut("mut_graph_stale_input", "cuda_graphs", "a replayed CUDA graph reads the token ids of its first "
      "replay (the copy into the static input is skipped)", GRAPHS, ("logits", "tokens"), "engine/graphs",
-     devices=CUDA)
+     ("graph_replay",), devices=CUDA)
 
 # approx: the static placement with one batched GEMM per projection over every expert (capturable,
 # unlike moe_grouped, whose capacity is read on the host); judged like moe_grouped
@@ -63,9 +65,9 @@ register(Toggle(
     name="moe_grouped_static", contract=GEMM_REGROUP, touches=("logits",), devices=CUDA,
     description="routed experts on fixed-capacity [E, T, D] buffers as three batched GEMMs (torch.bmm), "
                 "capturable in a CUDA graph; combine order kept",
-    ops={"moe_experts": routed_static_grouped}))
+    ops={"moe_experts": routed_static_grouped}, events=("op:moe_experts",)))
 register(Toggle(
     name="mut_moe_grouped_static_drop_last", kind="mutant", mutant_of="moe_grouped_static", contract=GEMM_REGROUP,
     touches=("logits",), devices=CUDA, description="static grouped experts combined without each row's "
     "highest expert", caught_by=("drift_budget",), lives_in="moe/ffn",
-    ops={"moe_experts": functools.partial(routed_static_grouped, _drop_last=True)}))
+    ops={"moe_experts": functools.partial(routed_static_grouped, _drop_last=True)}, events=("op:moe_experts",)))
