@@ -63,6 +63,26 @@ EVENTS = {
 }
 
 
+# Events no scenario can fire while the engine cuts KDA on the 64-token grid (the GPU profile;
+# kernels/kda/grid.py): the store reuses state only where it was computed on the chunked path,
+# i.e. up to the computing request's 64-aligned prompt length (engine/store.py). Measured on the
+# CPU twin (cpu_grid_kda) at full scale over every prefix scenario: never fired. A verdict on the
+# grid does not wait for them, and a toggle all of whose events are here does not apply there.
+OFF_GRID_IMPOSSIBLE = {
+    "prefix_hit_on_generated": "a checkpoint past the computing request's aligned prompt length (over "
+                               "tokens it generated) is never reused on the 64-token KDA grid",
+    "prefix_hit_tail_ckpt": "checkpoints reused on the 64-token KDA grid fall on block boundaries, so no "
+                            "partial-block MLA tail is ever stored with one",
+    "prefix_hit_inside_block": "on the 64-token KDA grid a hit inside a block restarts from the last aligned "
+                               "checkpoint (a block-boundary hit) and recomputes the rest",
+}
+
+
+def impossible(declared: tuple[str, ...] | list[str], grid: int | None) -> dict[str, str]:
+    """The declared events that cannot fire on this KDA grid (none off the grid), with why."""
+    return {e: OFF_GRID_IMPOSSIBLE[e] for e in declared if grid and e in OFF_GRID_IMPOSSIBLE}
+
+
 def check_name(name: str, slots: list[str], owner: str) -> None:
     """A declared event must be counted somewhere: a known name or op:<known slot>."""
     if name.startswith(OP_PREFIX):

@@ -107,8 +107,9 @@ def set_events(toggle, rows: list[dict]) -> dict:
     """The toggle's declared events over a set of result rows: counts summed (each scenario's
     run counted once) and the ones that fired nowhere."""
     fired = dict.fromkeys(toggle.events, 0)
-    seen = set()
+    seen, cannot = set(), set()
     for r in rows:
+        cannot |= set((r.get("evidence") or {}).get("events_impossible") or {})
         ev = (r.get("evidence") or {}).get("events") or {}
         key = (r.get("scenario"), r.get("suite_check"), r.get("unit"))
         if not ev or key in seen:
@@ -116,7 +117,9 @@ def set_events(toggle, rows: list[dict]) -> dict:
         seen.add(key)
         for e in fired:
             fired[e] += int(ev.get(e, 0))
-    return {"declared": list(toggle.events), "fired": fired, "missing": [e for e, n in fired.items() if not n]}
+    return {"declared": list(toggle.events), "fired": fired,
+            "missing": [e for e, n in fired.items() if not n and e not in cannot],
+            **({"impossible_on_grid": sorted(cannot)} if cannot else {})}
 
 
 def check_statuses(plan: dict, results: list[dict]) -> list[dict]:

@@ -30,7 +30,9 @@ from k3verify.compare.captures import (EXACT_CHECKS, compare_captures, drift_ref
 from k3verify.run.runner import Runner
 from k3verify.verdict.result import Result, Subject
 from optimized_stack import toggles as toggle_registry
+from optimized_stack.events import impossible as impossible_events
 from optimized_stack.events import missing as missing_events
+from optimized_stack.kernels.kda.grid import grid_in_force
 
 
 def model_device(model) -> str:
@@ -46,6 +48,9 @@ def applies(toggle, scenario, device: str = "cpu", world_size: int = 1) -> str |
         return f"not exact on {device}: {toggle.not_exact_on[device]}"
     if world_size not in toggle.world_sizes:
         return f"toggle runs at world size {', '.join(map(str, toggle.world_sizes))}, not {world_size}"
+    cannot = impossible_events(toggle.events, grid_in_force(device))
+    if toggle.events and len(cannot) == len(toggle.events):
+        return f"not applicable on the 64-token KDA grid: {next(iter(cannot.values()))}"
     if toggle.scenario_tags and not set(toggle.scenario_tags) & set(scenario.tags):
         return f"toggle applies to scenarios tagged {', '.join(toggle.scenario_tags)}"
     return None
@@ -80,12 +85,16 @@ def drift_verdict(ref: Capture, cand: Capture, contract) -> tuple[bool, str, lis
 REUSE_KEYS = ("prompt_tokens", "reusable_tokens", "prefix_hit_tokens", "hit_rate")
 
 
-def event_evidence(toggle, cand: Capture) -> dict:
-    """The counters a verdict shows: declared events with their counts, the missing ones, every
-    counter that fired, and the engine's reuse statistics (theoretical vs achieved)."""
+def event_evidence(toggle, cand: Capture, grid: int | None = None) -> dict:
+    """The counters a verdict shows: declared events with their counts, the missing ones (of those
+    that can fire on this KDA grid), every counter that fired, and the engine's reuse statistics
+    (theoretical vs achieved)."""
+    cannot = impossible_events(toggle.events, grid)
     ev = {"events": {e: int(cand.events.get(e, 0)) for e in toggle.events},
-          "events_missing": missing_events(toggle.events, cand.events),
+          "events_missing": missing_events([e for e in toggle.events if e not in cannot], cand.events),
           "counters": dict(sorted(cand.events.items()))}
+    if cannot:
+        ev["events_impossible"] = cannot
     if cand.metrics:
         ev["reuse"] = {k: cand.metrics[k] for k in REUSE_KEYS if k in cand.metrics}
     return ev
@@ -99,8 +108,9 @@ def unexercised(result: Result, toggle, scenario_name: str, evidence: dict) -> R
         return result
     return Result.not_exercised(
         result.subject, result.check, f"{result.reason or 'held'}, but {', '.join(miss)} never fired on "
-        f"{scenario_name} ({len(toggle.events) - len(miss)}/{len(toggle.events)} declared events): the "
-        f"toggle's path did not run", scenario=result.scenario, findings=result.findings,
+        f"{scenario_name} ({len(toggle.events) - len(miss)}/{len(toggle.events)} declared events"
+        + (f"; {', '.join(evidence['events_impossible'])} cannot fire on the KDA grid" if evidence.get("events_impossible")
+           else "") + "): the toggle's path did not run", scenario=result.scenario, findings=result.findings,
         duration_s=result.duration_s, evidence=result.evidence)
 
 
@@ -135,7 +145,7 @@ def check_toggle(model, toggle_name: str, scenario, *, localize_failures: bool =
                           duration_s=time.perf_counter() - t0)
         if not ok and localize_failures:
             res.localization = _localize(model, toggle.name, scenario, ref, first=first)
-        return [unexercised(res, toggle, scenario.name, event_evidence(toggle, cand))]
+        return [unexercised(res, toggle, scenario.name, event_evidence(toggle, cand, grid_in_force(model_device(model))))]
     # a mutant is run to fail: keep its tensors at once instead of re-running it for the findings
     kept = toggle.kind == "mutant"
     cand = runner.run(scenario, (toggle.name,), keep=kept)
@@ -150,7 +160,7 @@ def check_toggle(model, toggle_name: str, scenario, *, localize_failures: bool =
     state_first = next((verdicts[c]["first"] for c in ("kda_state", "mla_rows") if c in failing),
                        verdicts[failing[0]]["first"] if failing else None)
     loc = _localize(model, toggle.name, scenario, ref, first=state_first) if failing and localize_failures else None
-    evidence = event_evidence(toggle, cand)
+    evidence = event_evidence(toggle, cand, grid_in_force(model_device(model)))
     results = []
     for check in EXACT_CHECKS:
         v = verdicts[check]

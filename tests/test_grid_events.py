@@ -1,0 +1,67 @@
+"""Path events on the 64-token KDA grid (the GPU profile; here its CPU twin `cpu_grid_kda`).
+
+On the grid the store reuses state only up to the computing request's aligned prompt length, so
+a hit over generated tokens and a checkpoint with an MLA tail cannot happen there
+(optimized_stack/events.py OFF_GRID_IMPOSSIBLE; the H200 run of 2026-12-01 reported every prefix
+toggle "bit-identical" with none of these paths run). A verdict on the grid neither waits for
+those events nor passes without the others; a toggle all of whose events are impossible there is
+a skip that says so, never a pass. The negative controls are the same checks off the grid.
+"""
+from __future__ import annotations
+
+from k3verify.scenarios import workloads
+from k3verify.suites.verdicts import set_events
+from k3verify.verdict.gate import check_toggle
+from optimized_stack.events import OFF_GRID_IMPOSSIBLE, impossible
+from optimized_stack.kernels.kda.grid import cpu_grid_kda
+from optimized_stack.model import ops
+from model_fixtures import model  # noqa: F401  (the module-scoped k3-mini fixture)
+
+
+def test_impossible_events_exist_only_on_a_grid():
+    declared = ("checkpoint_saved", "prefix_hit_on_generated")
+    assert impossible(declared, 64) == {"prefix_hit_on_generated": OFF_GRID_IMPOSSIBLE["prefix_hit_on_generated"]}
+    assert impossible(declared, None) == {}                        # negative control: off the grid
+
+
+def test_a_toggle_whose_every_event_is_impossible_on_the_grid_is_a_skip_there(model):
+    sc = workloads.build("single", scale=0.5)
+    with ops.override(kda_prefill=cpu_grid_kda):
+        on_grid = check_toggle(model, "ckpt_with_mla_tail", sc, localize_failures=False)
+    assert on_grid and all(r.status == "skip" for r in on_grid), [r.status for r in on_grid]
+    assert "not applicable on the 64-token KDA grid" in on_grid[0].reason
+    # off the grid the same toggle on the same scenario runs, and with none of its events is not exercised
+    off_grid = check_toggle(model, "ckpt_with_mla_tail", sc, localize_failures=False)
+    assert {r.status for r in off_grid} == {"not_exercised"}, [(r.status, r.reason) for r in off_grid]
+    assert "prefix_hit_tail_ckpt" in off_grid[0].reason
+
+
+def test_on_the_grid_a_verdict_names_only_the_events_that_could_fire(model):
+    sc = workloads.build("single", scale=0.5)
+    with ops.override(kda_prefill=cpu_grid_kda):
+        (r, *_) = check_toggle(model, "prefix_cache", sc, localize_failures=False)
+    assert r.status == "not_exercised" and "prefix_hit_block" in r.evidence["events_missing"]
+    assert "prefix_hit_on_generated" not in r.evidence["events_missing"]
+    assert "prefix_hit_on_generated" in r.evidence["events_impossible"]
+    (off, *_) = check_toggle(model, "prefix_cache", sc, localize_failures=False)
+    assert "prefix_hit_on_generated" in off.evidence["events_missing"]          # negative control
+
+
+def test_the_sub_block_toggle_is_a_skip_on_the_grid_and_runs_off_it(model):
+    sc = workloads.build("single", scale=0.5)
+    with ops.override(kda_prefill=cpu_grid_kda):
+        on_grid = check_toggle(model, "prefix_cache_subblock", sc, localize_failures=False)
+    assert {r.status for r in on_grid} == {"skip"} and "KDA grid" in on_grid[0].reason
+    off_grid = check_toggle(model, "prefix_cache_subblock", sc, localize_failures=False)
+    assert {r.status for r in off_grid} == {"not_exercised"}
+
+
+def test_a_set_verdict_does_not_wait_for_an_impossible_event():
+    from optimized_stack import toggles as registry
+    t = registry.get("prefix_cache")
+    fired = {"checkpoint_saved": 3, "prefix_hit_block": 2, "prefix_hit_on_generated": 0}
+    row = {"scenario": "multi_turn", "evidence": {"events": fired}}
+    assert set_events(t, [row])["missing"] == ["prefix_hit_on_generated"]
+    on_grid = {**row, "evidence": {"events": fired, "events_impossible": {"prefix_hit_on_generated": "why"}}}
+    got = set_events(t, [on_grid])
+    assert got["missing"] == [] and got["impossible_on_grid"] == ["prefix_hit_on_generated"]
