@@ -63,6 +63,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import functools
+import inspect
 import pkgutil
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterator, Mapping
@@ -270,7 +271,22 @@ def _counted(fn: Callable[..., Any], event: str, events: Events) -> Callable[...
         events.fire(event)
         return fn(*args, **kw)
     functools.update_wrapper(call, fn)
+    # a caller that runs another form of this op in its place (the fast step's paged form of a
+    # decode op, found through base_form) counts the call with this
+    call.count_call = functools.partial(events.fire, event)  # type: ignore[attr-defined]
     return call
+
+
+def base_form(fn: Callable[..., Any] | None) -> Callable[..., Any] | None:
+    """The implementation behind an op-table slot's counting wrapper (`_counted`), or fn itself."""
+    return inspect.unwrap(fn) if fn is not None else None
+
+
+def count_call(fn: Callable[..., Any] | None) -> None:
+    """Count one call of the slot's implementation when another form of it ran in its place."""
+    counter = getattr(fn, "count_call", None)
+    if counter is not None:
+        counter()
 
 
 _LOADED = False

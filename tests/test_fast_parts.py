@@ -210,12 +210,14 @@ def test_batched_decode_runs_the_absorbed_toggle_batched(model):
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (30, 70, 45)]
     runs = {}
     for fast in (False, True):
-        with toggles.applied(["mla_absorbed"]):
-            assert OPS.mla_decode in PAGED_FORMS
+        with toggles.applied(["mla_absorbed"]) as ap:
+            assert toggles.base_form(OPS.mla_decode) in PAGED_FORMS      # behind the slot's counting wrapper
             eng = Engine(model, EngineOptions(continuous_batching=True, projected_kv_cache=True, batched_decode=fast))
             for p in prompts:
                 eng.add_request(p, SamplingParams(max_new_tokens=4, ignore_eos=True))
             runs[fast] = {k: r.tokens for k, r in eng.run().items()}
             if fast:
                 assert eng.fast.stats.steps > 0
+                # the paged form ran in the slot's place and counted as the toggle's decode op
+                assert ap.events.get("op:mla_decode", 0) > 0
     assert runs[True] == runs[False]

@@ -31,6 +31,7 @@ from ...config import KDA
 from ...model import ops
 from ...model.attn_res import AttnResRead
 from ...model.ops import OPS, OpTable
+from ...toggles import base_form
 from .batch import ROW_IDS, ROW_KDA_SLOT, ROW_POS, ROW_TABLE_SLOT, BlockTables
 from .kda_step import FAST_KDA_ENV, kda_decode
 from .mla_step import PAGED_FORMS, PagedMLA, mla_decode
@@ -74,9 +75,9 @@ class DecodeStep:
             return f"{ops.GPU_PROFILE_ENV}=torch: the decode ops run one request at a time"
         if OPS.kda_decode is not None:
             return "a KDA decode op in the op table runs one request at a time"
-        if OPS.attention is not None or (OPS.mla_decode is not None and OPS.mla_decode not in PAGED_FORMS):
+        if OPS.attention is not None or (OPS.mla_decode is not None and base_form(OPS.mla_decode) not in PAGED_FORMS):
             return "an MLA attention op without a paged form runs one request at a time"
-        if OPS.moe_experts not in CAPTURABLE_EXPERTS:
+        if base_form(OPS.moe_experts) not in CAPTURABLE_EXPERTS:
             return f"routed experts {getattr(OPS.moe_experts, '__name__', OPS.moe_experts)!r} have data-dependent shapes"
         if OPS.moe_block is not None:
             return "a MoE block op in the op table (side stream) is not captured"

@@ -25,6 +25,7 @@ from ...kernels.mla.absorbed import mla_absorbed
 from ...model import ops
 from ...model.mla import MLAttention, blocked_attention
 from ...model.ops import OPS, sigmoid
+from ...toggles import base_form, count_call
 from .absorbed_step import paged_absorbed
 from .paged_attention import paged_attention_cpu
 
@@ -66,8 +67,10 @@ def attend(layer: MLAttention, q: torch.Tensor, pool: PagedMLA, tables: torch.Te
     """q [B, H, C] of request b at pos[b] over its rows 0..pos[b] -> [B, H, Vd] fp32."""
     cfg = layer.cfg
     scale = cfg.qk_head_dim ** -0.5
-    if OPS.mla_decode is not None and OPS.mla_decode in PAGED_FORMS:
-        return PAGED_FORMS[OPS.mla_decode](layer, q, pool, tables, table_slot, pos)
+    form = PAGED_FORMS.get(base_form(OPS.mla_decode))       # the slot holds a counting wrapper
+    if form is not None:
+        count_call(OPS.mla_decode)
+        return form(layer, q, pool, tables, table_slot, pos)
     if not _reference_attention_in_force(q):
         return _one_by_one(layer, q, pool, tables, table_slot, pos)
     if q.is_cuda:
