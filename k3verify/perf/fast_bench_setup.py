@@ -1,4 +1,4 @@
-"""What the engine benchmark (bench.py) needs besides timing: engines whose requests already hold
+"""What the engine benchmark (fast_bench.py) needs besides timing: engines whose requests already hold
 a context of L tokens, and the HBM roofline of a decode step.
 
 Decode cells start from real state copied, not recomputed: one request of L tokens is prefilled
@@ -6,19 +6,16 @@ once on the reference path (`Donor`), and every request of a cell gets a copy of
 and MLA rows (and their projection, for the projected K/V cache) in its own slot and blocks.
 Distinct copies, so a step reads B contexts from HBM as a real batch does; the values are real
 activations, so logits stay finite. This times decode, not reference bits: which rows are right
-is the contract check's business (bench.py), on real prefills.
+is the contract check's business (fast_bench.py), on real prefills.
 
-The roofline (the logic of k3verify/gpu_bench.py decode_step_bytes / hbm_copy_bandwidth, kept
-here because the engine never imports the verifier): the bytes a decode step must touch at least
-once (every weight but the routed experts, the experts a uniform router is expected to hit, each
-request's KDA state read and written, its MLA latent rows read) over the bandwidth of a
-device-to-device copy measured in the same run.
+The roofline is gpu_bench.py's (decode_step_bytes over hbm_copy_bandwidth, re-exported here):
+the bytes a decode step must touch at least once over the bandwidth of a device-to-device copy
+measured in the same run.
 
 Shape letters: B requests, L context tokens.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -28,49 +25,7 @@ from optimized_stack.engine.engine import Engine
 from optimized_stack.engine.options import EngineOptions, SamplingParams
 from optimized_stack.engine.store import PagedStore
 
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def hbm_copy_bandwidth(device: str = "cuda", gib: int = 4, repeats: int = 10) -> float:
-    """Bytes/s of a device-to-device copy, counting bytes read plus bytes written."""
-    x = torch.empty(gib << 30, dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    y.copy_(x)
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        y.copy_(x)
-    sync()
-    secs = (time.perf_counter() - t0) / repeats
-    del x, y
-    torch.cuda.empty_cache()
-    return 2 * (gib << 30) / secs
-
-
-def decode_step_bytes(model, batch: int, context: int) -> dict[str, float]:
-    """The bytes one decode step at batch B must read or write at least once (module docstring)."""
-    cfg = model.config
-    elt = next(model.parameters()).element_size()
-    expert_bytes, other = 0, 0
-    for name, p in model.named_parameters():
-        if ".experts." in name:
-            expert_bytes += p.numel() * elt
-        else:
-            other += p.numel() * elt
-    e, k = cfg.num_experts, cfg.num_experts_per_token
-    touched = 1.0 - (1.0 - k / e) ** batch if e else 0.0
-    n_kda = sum(1 for kind in cfg.layer_kinds if kind == KDA)
-    n_mla = cfg.num_layers - n_kda
-    kda_state = cfg.kda_num_heads * cfg.kda_head_dim * cfg.kda_head_dim * 4     # fp32 [H, K, V]
-    conv = 3 * cfg.kda_num_heads * cfg.kda_head_dim * (cfg.kda_conv_size - 1) * 4
-    mla_row = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * elt
-    states = batch * n_kda * (2 * kda_state + 2 * conv)
-    cache = batch * n_mla * context * mla_row
-    weights = other + expert_bytes * touched
-    return {"weights": weights, "states": states, "cache": cache, "total": weights + states + cache}
+from .gpu_bench import decode_step_bytes, hbm_copy_bandwidth, sync  # noqa: F401  (re-exported)
 
 
 @dataclass
