@@ -114,6 +114,11 @@ class Run:
 
 
 def drive(model, sc: Scenario, opts: EngineOptions) -> Run:
+    return drive_engine(model, sc, opts)[0]
+
+
+def drive_engine(model, sc: Scenario, opts: EngineOptions) -> tuple[Run, Engine]:
+    """The scenario through one engine (follow-ups re-send prompt + answer): the run and the engine."""
     cap = Capture()
     eng = Engine(model, opts, [cap])
     prompts = {}
@@ -127,7 +132,7 @@ def drive(model, sc: Scenario, opts: EngineOptions) -> Run:
                 prompt = prompts[out.request_id] + eng.results[out.request_id].tokens + new
                 prompts[nxt] = prompt
                 eng.add_request(prompt, params, request_id=nxt, arrival_step=eng.step_index)
-    return Run(eng.results, cap, eng.metrics)
+    return Run(eng.results, cap, eng.metrics), eng
 
 
 class Oracle:

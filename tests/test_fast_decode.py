@@ -24,33 +24,15 @@ from optimized_stack.kernels.kda.grid import cpu_grid_kda
 from optimized_stack.model import ops
 from model_fixtures import model  # noqa: F401  (the module-scoped k3-mini fixture)
 from test_engine_grid import GridOracle
-from test_engine_toggles import EXACT_TOGGLES, SCENARIOS, Capture, Oracle, Run, compare, summary
+from test_engine_toggles import EXACT_TOGGLES, SCENARIOS, Oracle, Run, compare, drive_engine, summary
 
 FAST = ["batched_decode"]
-
-
-def drive(model, sc, opts: EngineOptions) -> tuple[Run, Engine]:
-    """test_engine_toggles.drive, also handing back the engine (its fast-path stats)."""
-    cap = Capture()
-    eng = Engine(model, opts, [cap])
-    prompts = {}
-    for rid, prompt, params, arrival in sc.requests:
-        eng.add_request(prompt, params, request_id=rid, arrival_step=arrival)
-        prompts[rid] = prompt
-    while eng.has_unfinished():
-        for out in eng.step():
-            if out.finished and out.request_id in sc.followups:
-                nxt, new, params = sc.followups[out.request_id]
-                prompt = prompts[out.request_id] + eng.results[out.request_id].tokens + new
-                prompts[nxt] = prompt
-                eng.add_request(prompt, params, request_id=nxt, arrival_step=eng.step_index)
-    return Run(eng.results, cap, eng.metrics), eng
 
 
 def run_toggles(model, names, sc, extra=None) -> tuple[Run, Engine]:
     with toggles.applied(names) as applied:
         opts = EngineOptions.from_dict({**applied.engine, **sc.options, **(extra or {})})
-        return drive(model, sc, opts)
+        return drive_engine(model, sc, opts)
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +46,7 @@ _REFS: dict[tuple[str, bool], Run] = {}
 def reference(model, name: str, grid: bool = False) -> Run:
     if (name, grid) not in _REFS:
         with ops.override(kda_prefill=cpu_grid_kda) if grid else ops.override():
-            _REFS[(name, grid)] = drive(model, SCENARIOS[name], EngineOptions())[0]
+            _REFS[(name, grid)] = drive_engine(model, SCENARIOS[name], EngineOptions())[0]
     return _REFS[(name, grid)]
 
 

@@ -42,7 +42,6 @@ from k3verify.compare.tensors import compare_logits
 from k3verify.io import atomic_write_json, atomic_write_text
 from k3verify.kinds import selftest as selftest_kind
 from k3verify.kinds.base import Context, Unit
-from k3verify.report.environment import environment_fingerprint
 from k3verify.run.runner import Runner
 from k3verify.run.sequential import run_scenario
 from k3verify.scenarios import workloads
@@ -50,6 +49,7 @@ from k3verify.scenarios.chooser import choose
 from k3verify.verdict.gate import check_toggle
 
 from .ab import interleaved
+from .run_doc import RunDoc
 
 # k3-mini work first (fla's head size 16), then k3-small's (head 128, compiled meanwhile)
 SECTIONS = ("invariance_mini", "controls", "exact", "mutants", "drift", "price", "invariance_small", "approx", "fla")
@@ -61,25 +61,13 @@ DRIFT_SCENARIOS = ("single", "multi_length", "boundaries", "long_prompt")
 GPU_DRIFT_BUDGET = {"max_kl": 5e-2, "min_top1": 0.95}
 
 
-class Run:
+class Run(RunDoc):
     """Sections' items, saved after every item: gpu_exactness[_TAG].json; without a tag also the
     Markdown and summary.json (parallel lanes write tagged JSON, `--merge` joins them)."""
 
     def __init__(self, out: Path, budget_s: float, tag: str = ""):
-        self.out, self.budget_s, self.t0, self.tag = out, budget_s, time.monotonic(), tag
-        self.doc: dict[str, Any] = {"environment": environment_fingerprint(), "sections": {}, "log": []}
-
-    def left(self) -> float:
-        return self.budget_s - (time.monotonic() - self.t0)
-
-    def log(self, msg: str) -> None:
-        line = f"[{time.monotonic() - self.t0:6.1f}s] {msg}"
-        print(line, flush=True)
-        self.doc["log"].append(line)
-
-    def add(self, section: str, item: dict[str, Any]) -> None:
-        self.doc["sections"].setdefault(section, []).append(item)
-        self.save()
+        super().__init__(out, budget_s)
+        self.tag = tag
 
     def save(self) -> None:
         if self.tag:

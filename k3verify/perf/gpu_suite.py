@@ -26,7 +26,7 @@ from k3verify.kinds import selftest
 from k3verify.kinds.base import CheckSpec, Context, Unit
 from k3verify.perf import gpu_bench
 from k3verify.perf.gpu_render import render
-from k3verify.report.environment import environment_fingerprint
+from k3verify.perf.run_doc import RunDoc
 from k3verify.verdict.result import Result, Subject
 from optimized_stack import load_model
 from optimized_stack import toggles as toggle_registry
@@ -64,24 +64,12 @@ def phase_set(phase: str) -> tuple[str, ...]:
                  if phase in t.phases and "cuda" in t.devices)
 
 
-class GpuRun:
+class GpuRun(RunDoc):
     """The GPU run's document (sections of items, a log), saved after every item."""
 
     def __init__(self, out: Path, tag: str, budget_s: float):
-        self.out, self.tag, self.t0, self.budget_s = out, tag, time.monotonic(), budget_s
-        self.doc: dict[str, Any] = {"environment": environment_fingerprint(), "sections": {}, "log": []}
-
-    def left(self) -> float:
-        return self.budget_s - (time.monotonic() - self.t0)
-
-    def log(self, msg: str) -> None:
-        line = f"[{time.monotonic() - self.t0:6.1f}s] {msg}"
-        print(line, flush=True)
-        self.doc["log"].append(line)
-
-    def add(self, section: str, item: dict[str, Any]) -> None:
-        self.doc["sections"].setdefault(section, []).append(item)
-        self.save()
+        super().__init__(out, budget_s)
+        self.tag = tag
 
     def save(self) -> None:
         atomic_write_json(self.out / f"gpu_{self.tag}.json", self.doc, allow_nan=True)
