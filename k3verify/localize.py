@@ -2,7 +2,9 @@
 name the first (layer, sublayer) whose output differs.
 
 The replay follows each path's own calling pattern (one whole-prompt forward for the
-reference; the runner's split / state round trip for the candidate), and concatenates
+reference; the runner's split / state round trip for the candidate); when that shows nothing
+it replays both as the request was served, prompt then one token per call (a fault in the
+decode op, or in the state handed to it, runs only there). Either replay concatenates
 every probe's rows per (layer, sublayer) across calls, so positions line up. Probe order
 is execution order, so the first differing entry is where the fault entered.
 
@@ -43,17 +45,23 @@ def _record(model, feed) -> tuple[list[tuple[int, str]], dict[tuple[int, str], t
     return order, {k: torch.cat(v) for k, v in rows.items()}
 
 
-def _feed(model, ids: torch.Tensor, runner_opts: dict[str, Any]):
+def _feed(model, ids: torch.Tensor, runner_opts: dict[str, Any], decode_from: int | None = None):
+    """The replay's calls: one whole forward (or the runner's chunks / round trips); with
+    `decode_from`, the prompt ids[:decode_from] in one forward and then one token per forward, as
+    the request ran (a fault in the decode op or in the state it is handed shows only there)."""
     chunk = runner_opts.get("prefill_chunk")
     roundtrip = bool(runner_opts.get("state_roundtrip"))
 
     def run() -> None:
         st = model.new_state()
-        if not chunk and not roundtrip:
+        if decode_from is not None:
+            pieces = [ids[:decode_from], *ids[decode_from:].split(1)]
+        elif not chunk and not roundtrip:
             model.forward(ids, st)
             return
-        step = chunk or 1
-        for piece in ids.split(step):
+        else:
+            pieces = list(ids.split(chunk or 1))
+        for piece in pieces:
             model.forward(piece, st)
             if roundtrip:
                 st = _roundtrip(st, bool(runner_opts.get("roundtrip_drops_conv")))
@@ -73,17 +81,29 @@ def component(model, layer: int, sublayer: str) -> str:
 
 
 def localize_request(model, toggle_name: str, ids: list[int], *, request_id: str = "",
-                     state_first: dict | None = None) -> dict[str, Any]:
+                     state_first: dict | None = None, prompt_len: int | None = None) -> dict[str, Any]:
     """First differing (layer, sublayer) between reference and `toggle_name` on `ids`, or,
-    when either replay holds NaN / inf, the first sublayer whose output does."""
+    when either replay holds NaN / inf, the first sublayer whose output does. When the whole-
+    prompt replay shows no difference and `prompt_len` is given, the request is replayed again
+    as it was served, prompt then one token per call (out["replay"] says which replay found it)."""
+    out = _localize_once(model, toggle_name, ids, request_id, state_first, None)
+    if out.get("sublayer") in (None, "state") and prompt_len is not None and 0 < prompt_len < len(ids):
+        stepped = _localize_once(model, toggle_name, ids, request_id, state_first, prompt_len)
+        if stepped.get("sublayer") not in (None, "state"):
+            return {**stepped, "replay": f"prompt of {prompt_len} then one token per call"}
+    return {**out, "replay": "whole prompt"}
+
+
+def _localize_once(model, toggle_name: str, ids: list[int], request_id: str, state_first: dict | None,
+                   decode_from: int | None) -> dict[str, Any]:
     ids_t = torch.tensor(ids, dtype=torch.long)
-    order, ref = _record(model, _feed(model, ids_t, {}))
+    order, ref = _record(model, _feed(model, ids_t, {}, decode_from))
     ref_nf = _first_nonfinite_probe(model, order, ref)
     with toggle_registry.applied([toggle_name]) as applied:
         if applied.engine:
             out = _state_only(model, state_first, "engine toggle: replayed by state check only")
             return _nonfinite_first(order, out, ref_nf, None, request_id, len(ids))
-        cand_order, cand = _record(model, _feed(model, ids_t, applied.runner))
+        cand_order, cand = _record(model, _feed(model, ids_t, applied.runner, decode_from))
     cand_nf = _first_nonfinite_probe(model, cand_order, cand)
     out = _first_difference(model, order, ref, cand, request_id, len(ids), state_first)
     return _nonfinite_first(order, out, ref_nf, cand_nf, request_id, len(ids))

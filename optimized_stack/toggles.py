@@ -65,7 +65,7 @@ import difflib
 import functools
 import inspect
 import pkgutil
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Iterator, Mapping
 
 from .errors import K3Error
@@ -87,31 +87,65 @@ class Contract:
     # recurrent state: a wrong-state bug can hide behind a confident model's logits
     max_state_rel: float | None = None
     quality: tuple[str, ...] = ()              # quality gates that must pass (gsm8k, needle, kvv)
+    mean_kl: float | None = None               # mean over steps of KL(ref || cand), nats
+    # The budget where the numerics differ from the CPU fp32 reference the base budget was
+    # calibrated on: ("cuda:bfloat16", Contract(...)) pairs, looked up by `for_run`. A run
+    # with no entry for its device and dtype is held to the base budget.
+    on_device: tuple[tuple[str, "Contract"], ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in ("exact", "approx"):
             raise K3Error(f"contract kind: expected 'exact' or 'approx', got {self.kind!r}")
-        if self.kind == "exact" and any(v is not None for v in (self.max_kl, self.min_top1, self.max_ulp,
-                                                                 self.max_state_rel)):
+        budget = (self.max_kl, self.min_top1, self.max_ulp, self.max_state_rel, self.mean_kl)
+        if self.kind == "exact" and (any(v is not None for v in budget) or self.on_device):
             raise K3Error("contract: an exact contract takes no drift budget")
-        if self.kind == "approx" and self.max_kl is None and self.min_top1 is None and self.max_ulp is None:
-            raise K3Error("contract: an approx contract needs a drift budget (max_kl, min_top1 or max_ulp)")
+        if self.kind == "approx" and all(v is None for v in (self.max_kl, self.min_top1, self.max_ulp, self.mean_kl)):
+            raise K3Error("contract: an approx contract needs a drift budget (max_kl, mean_kl, min_top1 or max_ulp)")
+        for key, c in self.on_device:
+            if ":" not in key or c.kind != "approx" or c.on_device:
+                raise K3Error(f"contract: on_device entry {key!r} must be 'device:dtype' with a plain approx budget")
+
+    def for_run(self, device: str, dtype: Any = None) -> "Contract":
+        """The budget that holds for a run on `device` in `dtype` (a torch dtype or its name)."""
+        name = str(dtype).removeprefix("torch.") if dtype is not None else "float32"
+        return dict(self.on_device).get(f"{device}:{name}", self)
 
     def describe(self) -> str:
         if self.kind == "exact":
             return "exact"
         parts = [f"max_kl={self.max_kl:g}" if self.max_kl is not None else "",
+                 f"mean_kl={self.mean_kl:g}" if self.mean_kl is not None else "",
                  f"min_top1={self.min_top1:g}" if self.min_top1 is not None else "",
                  f"max_ulp={self.max_ulp}" if self.max_ulp is not None else "",
                  f"max_state_rel={self.max_state_rel:g}" if self.max_state_rel is not None else ""]
-        return "approx(" + ", ".join(p for p in parts if p) + ")"
+        text = "approx(" + ", ".join(p for p in parts if p) + ")"
+        return text + "".join(f"; on {key}: {c.describe()}" for key, c in self.on_device)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "max_kl": self.max_kl, "min_top1": self.min_top1,
-                "max_ulp": self.max_ulp, "max_state_rel": self.max_state_rel, "quality": list(self.quality), "text": self.describe()}
+        return {"kind": self.kind, "max_kl": self.max_kl, "mean_kl": self.mean_kl, "min_top1": self.min_top1,
+                "max_ulp": self.max_ulp, "max_state_rel": self.max_state_rel, "quality": list(self.quality),
+                "on_device": {key: c.to_dict() for key, c in self.on_device}, "text": self.describe()}
 
 
 EXACT = Contract("exact")
+
+# bf16 on CUDA. A candidate and the GPU reference both round every activation to bf16, in
+# different orders, so an approximation whose own error is far below bf16's (a reassociated
+# sum, another kernel) measures as the bf16 rounding noise itself, and a budget calibrated on
+# fp32 (KL 1e-6) cannot hold. The budget is declared from that noise floor, measured on the
+# CPU where it is reproducible: the embedded k3-mini in bf16 against itself in fp32,
+# teacher-forced, scenarios single / multi_length / boundaries / long_prompt at scale 0.5
+# (NOTES.md 2026-12-01): mean KL 0.0049-0.0255, top-1 0.9746-0.9825, final KDA state
+# 0.099-0.213 of max|state|. The budget is twice the worst floor (top-1: the worst floor less
+# 0.025); the max KL is not budgeted, as a few near-tie rows of a trained model reach KL 3-4
+# from rounding alone. Every approx mutant measured on the CPU lands above it (mean KL
+# 0.08-1.55, top-1 <= 0.947); the GPU run checks the mutants again under this budget.
+BF16_NOISE = Contract("approx", mean_kl=0.05, min_top1=0.95, max_state_rel=0.45)
+
+
+def on_bf16_cuda(contract: Contract) -> Contract:
+    """`contract` with the bf16-noise budget on cuda:bfloat16 (the GPU reference profile)."""
+    return replace(contract, on_device=(("cuda:bfloat16", replace(BF16_NOISE, quality=contract.quality)),))
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@
 #   1. fla's kernels compile for head sizes 16 (k3-mini) and 128 (k3-small) in two background
 #      processes (Triton's disk cache keeps them: ~80 s each on a fresh machine);
 #   2. meanwhile (background) the kernel tests run natively on the GPU (the same files CI runs
-#      through Triton's interpreter);
+#      through Triton's interpreter) and the fast-engine GPU tests;
 #   3. python -m k3verify.perf.gpu_exactness: invariance, drift vs the CPU reference, every exact
 #      toggle and mutant, approx toggles, fla chunk vs recurrent, the price of exactness.
 set -uo pipefail
@@ -22,13 +22,19 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 rm -f /tmp/k3-warm16 /tmp/k3-warm128
 (timeout 200 python3 scripts/gpu_warm_fla.py 16 > "$OUT/warm16.log" 2>&1; touch /tmp/k3-warm16) &
 (timeout 240 python3 scripts/gpu_warm_fla.py 128 > "$OUT/warm128.log" 2>&1; touch /tmp/k3-warm128) &
-(timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_triton_gemm.py tests/test_triton_norm.py \
+(timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_triton_gemm.py tests/test_triton_norm.py \
   tests/test_triton_attn_res.py tests/test_triton_mla_attention.py tests/test_gpu_reference.py \
-  tests/test_cuda_toggles.py > "$OUT/pytest_kernels.log" 2>&1) &
-# three lanes in parallel: the work is Python-dispatch-bound (one core each, the GPU mostly idle)
-LANE1=${LANE1:-spec_copy_states,spec_replay_ssm,continuous_batching,chunked_prefill,state_offload_roundtrip,prefill_step_api}
-LANE2=${LANE2:-prefix_cache,prefix_cache_subblock,ckpt_with_mla_tail,projected_kv_cache,host_kv_tier,preemption,shared_expert_side_stream}
-LANE3=${LANE3:-controls,drift,price,invariance_small,approx}
+  tests/test_cuda_toggles.py tests/test_fast_gpu.py > "$OUT/pytest_kernels.log" 2>&1) &
+# six lanes in parallel: the work is Python-dispatch-bound (one core each, the GPU mostly idle);
+# the prefix toggles and the host tier judge full-scale grid scenarios (GRID_SCENARIOS), the
+# heaviest items, so they have lanes of their own
+LANE1=${LANE1:-spec_copy_states,spec_replay_ssm,continuous_batching,chunked_prefill,state_offload_roundtrip,prefill_step_api,batched_decode,cuda_graphs}
+LANE2=${LANE2:-prefix_cache,prefix_cache_subblock,ckpt_with_mla_tail}
+LANE3=${LANE3:-projected_kv_cache,host_kv_tier,preemption,preempt_swap}
+LANE4=${LANE4:-shared_expert_side_stream}
+LANE5=${LANE5:-invariance_mini,controls,drift,price,invariance_small,fla}
+LANE6=${LANE6:-kda_chunked,kda_fla_chunk,kda_fla_recurrent,mla_absorbed,mla_sdpa,moe_grouped,moe_grouped_static,gemm_per_shape}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-3}
 run_lane() {  # tag sections [--only toggles]
   K3VERIFY_WAIT_FOR=16:/tmp/k3-warm16,128:/tmp/k3-warm128 timeout "${RUN_TIMEOUT_S:-500}" \
     python3 -m k3verify.perf.gpu_exactness --out "$OUT" --budget-s "${RUN_BUDGET_S:-430}" --tag "$1" --sections "$2" ${3:+--only $3} \
@@ -40,7 +46,10 @@ if [ -n "${LANES:-}" ]; then          # e.g. LANES="mutants:mutants approx:appro
 else
   run_lane exact1 exact,mutants "$LANE1" &
   run_lane exact2 exact,mutants "$LANE2" &
-  run_lane rest "$LANE3" &
+  run_lane exact3 exact,mutants "$LANE3" &
+  run_lane exact4 exact,mutants "$LANE4" &
+  run_lane rest "$LANE5" &
+  run_lane approx approx "$LANE6" &
 fi
 if [ -n "${IEEE_LANE:-}" ]; then       # the drift again with fla's fp32 dots in IEEE (no TF32)
   TRITON_F32_DEFAULT=ieee K3VERIFY_DRIFT_NOTE="TRITON_F32_DEFAULT=ieee" run_lane ieee drift &

@@ -149,3 +149,47 @@ def test_state_budget_catches_what_a_lax_logits_budget_misses(model, scenario, r
     # negative control: a correct kernel stays far inside the same state budget
     ok = check_toggle(model, "kda_chunked", scenario, runner=refs)[0]
     assert ok.status == "pass" and ok.evidence["kda_state_rel_max"] < 1e-5
+
+
+def _decode_reads_transposed_state(q, k, v, g, beta, initial_state=None):
+    from optimized_stack.model.kda import kda_recurrent
+    s = None if initial_state is None else initial_state.transpose(-1, -2).contiguous()
+    return kda_recurrent(q, k, v, g, beta, s)
+
+
+def test_decode_only_fault_is_localised_by_the_stepped_replay(model, scenario):
+    """A decode kernel that reads the cached state in the wrong layout runs only where a state
+    is handed to a one-token call: the whole-prompt replay sees nothing (control), the served-
+    order replay (prompt, then a token per call) names the KDA mixer at the first decode token."""
+    from k3verify.localize import localize_request
+    name = "tmp_decode_reads_transposed"
+    registry.register(registry.Toggle(
+        name=name, description="test only", contract=registry.Contract("approx", max_kl=1e-6),
+        touches=("kda_state",), ops={"kda_decode": _decode_reads_transposed_state}))
+    try:
+        ids = list(scenario.requests[0].prompt_ids)[:24] + [5, 6, 7]
+        whole = localize_request(model, name, ids)
+        stepped = localize_request(model, name, ids, prompt_len=24)
+    finally:
+        registry._REGISTRY.pop(name)
+    assert whole["component"] is None and whole["replay"] == "whole prompt"
+    assert stepped["component"] == "kda/mixer" and stepped["first_position"] == 24
+    assert stepped["replay"].startswith("prompt of 24")
+
+
+def test_state_only_drift_is_localised_from_the_state(model, scenario, refs):
+    """A state stored transposed and read back the same way changes no output, only the state:
+    the drift verdict localises it from the state budget's first layer over (kda/recurrent)."""
+    name = "tmp_state_layout"
+    registry.register(registry.Toggle(
+        name=name, description="test only",
+        contract=registry.Contract("approx", max_kl=1e-6, max_state_rel=1e-4), touches=("kda_state",),
+        ops={"kda_prefill": _transposed_state_recurrence, "kda_decode": _transposed_state_recurrence}))
+    try:
+        bad = check_toggle(model, name, scenario, runner=refs)[0]
+    finally:
+        registry._REGISTRY.pop(name)
+    assert bad.status == "fail" and "KDA state drift" in bad.reason and "max KL" not in bad.reason
+    assert bad.localization["component"] == "kda/recurrent"
+    assert bad.localization["layer"] == min(s["layer"] for s in bad.evidence["kda_state_drift"]
+                                            if s["rel_to_max"] > 1e-4)

@@ -96,9 +96,10 @@ def check_run(model, names: tuple[str, ...], prompts: list[list[int]], new_token
             "fast": None if stats is None else vars(stats).copy()}
 
 
-def judge(added: str, ref: dict[str, Any], cand: dict[str, Any]) -> dict[str, Any]:
-    """The added toggle's contract, candidate against the row above."""
-    contract = toggles.get(added).contract
+def judge(added: str, ref: dict[str, Any], cand: dict[str, Any], device: str = "cpu",
+          dtype: Any = None) -> dict[str, Any]:
+    """The added toggle's contract (its budget on `device` in `dtype`), candidate against the row above."""
+    contract = toggles.get(added).contract.for_run(device, dtype)
     same_tokens = ref["tokens"] == cand["tokens"]
     compared, differing, kls, agree = 0, 0, [], []
     for rid, toks in ref["tokens"].items():
@@ -122,7 +123,9 @@ def judge(added: str, ref: dict[str, Any], cand: dict[str, Any]) -> dict[str, An
         kl_max = max(kls) if kls else math.inf
         top1 = sum(agree) / len(agree) if agree else 0.0
         out.update({"kl_max": kl_max, "kl_mean": statistics.fmean(kls) if kls else None, "top1": top1})
+        mean = statistics.fmean(kls) if kls else math.inf
         out["held"] = bool(kls) and (contract.max_kl is None or kl_max <= contract.max_kl) and (
+            contract.mean_kl is None or mean <= contract.mean_kl) and (
             contract.min_top1 is None or top1 >= contract.min_top1)
     return out
 
@@ -156,7 +159,7 @@ def section_contracts(model, rows, args, log) -> list[dict[str, Any]]:
         if prev is None:
             item.update({"held": True, "reason": "the baseline"})
         else:
-            item.update(judge(added, prev, run))
+            item.update(judge(added, prev, run, model.device.type, next(model.parameters()).dtype))
             why = _evidence(added, run)
             if why:
                 item.update({"held": False, "reason": f"not exercised: {why}"})

@@ -10,13 +10,13 @@ time limit keeps what it measured):
 - invariance: k3verify/invariance.py on the embedded k3-mini and on k3-small, bf16 (every row op
   at every shape, M = 1..32 ... 4096; negative controls fp32 cuBLAS, fla varlen, BLOCK_K by M);
 - drift: the GPU reference (bf16, the profile) against the CPU fp32 reference, teacher-forced on
-  the CPU tokens: KL, top-1, max |dlogit| / max |logit| per scenario, and per layer / sublayer on
-  one prompt; held against GPU_DRIFT_BUDGET;
+  the CPU tokens, judged against the CPU bf16 noise floor with a negative control (gpu_drift.py);
 - fla: fla chunk_kda against fused_recurrent_kda at T around the 64-token grid and head sizes 16
   and 128 (why kda_fla_chunk drifts where it does);
 - exact: every exact world-size-1 toggle judged bitwise against the GPU reference on its default
   scenarios (verify.judge), then every mutant of those toggles (selftest.judge_one: caught?);
-- approx: the approx kernel toggles that run on CUDA and their mutants;
+- approx: the approx kernel toggles that run on CUDA and their mutants, on the bf16 budget their
+  contracts declare for cuda:bfloat16 (optimized_stack/toggles.py BF16_NOISE);
 - price: the same engine workload on the invariant profile and on torch's own forms
   (K3_GPU_PROFILE=torch), interleaved A/B, ratio with a 95% interval (k3-small, bf16).
 summary.json (issue 18 item 6) is written beside the report at the end of every section.
@@ -35,30 +35,25 @@ import torch
 
 from optimized_stack import load_model
 from optimized_stack import toggles as registry
-from optimized_stack.model.ops import GPU_PROFILE_ENV
 
 from k3verify.compare import invariance
-from k3verify.compare.tensors import compare_logits
 from k3verify.io import atomic_write_json, atomic_write_text
 from k3verify.kinds import selftest as selftest_kind
 from k3verify.kinds.base import Context, Unit
 from k3verify.run.runner import Runner
-from k3verify.run.sequential import run_scenario
 from k3verify.scenarios import workloads
 from k3verify.scenarios.chooser import choose
 from k3verify.verdict.gate import check_toggle
 
+from . import gpu_drift
 from .ab import interleaved
+from .gpu_drift import with_profile
+from .gpu_exactness_report import render, slim, summary
 from .run_doc import RunDoc
 
 # k3-mini work first (fla's head size 16), then k3-small's (head 128, compiled meanwhile)
 SECTIONS = ("invariance_mini", "controls", "exact", "mutants", "drift", "price", "invariance_small", "approx", "fla")
 SCALE = 0.5                                   # scenario scale of the verdicts (one device call)
-DRIFT_SCENARIOS = ("single", "multi_length", "boundaries", "long_prompt")
-# Declared before the run: bf16 weights and activations against fp32 everywhere. A trained
-# model's argmax survives bf16 rounding on nearly every step; a structural fault (a wrong
-# state, a dropped snapshot) lands at KL > 0.1 and top-1 far below (NOTES.md, CPU mutants).
-GPU_DRIFT_BUDGET = {"max_kl": 5e-2, "min_top1": 0.95}
 
 
 class Run(RunDoc):
@@ -109,8 +104,8 @@ def section_invariance(run: Run, sources: list[tuple[str, str | None]]) -> None:
         res = invariance.run(model)
         summ = res.summary()
         item = {"model": label, "status": summ["invariance"], "rows": summ["rows"], "cases": summ["cases"],
-                "failed_rows": len(res.failures), "failures": [_slim(r) for r in res.failures[:12]],
-                "negative_controls": [_slim(c) for c in res.controls],
+                "failed_rows": len(res.failures), "failures": [slim(r) for r in res.failures[:12]],
+                "negative_controls": [slim(c) for c in res.controls],
                 "negative_controls_failed": summ["negative_controls_failed"],
                 "profile": res.environment.get("profile"), "wall_s": time.perf_counter() - t0}
         run.log(f"invariance {label}: {item['status']}: {item['rows']} rows, {item['failed_rows']} failed; "
@@ -126,110 +121,10 @@ def section_controls(run: Run) -> None:
     cases = invariance.plan(model)
     ms = invariance.DEFAULT_MS
     for c in invariance.negative_controls(cases, ms, ms[-1], model.lm_head.weight.device):
-        item = _slim(c)
+        item = slim(c)
         run.log(f"control {item['toggle']}: {'failed as it must' if item.get('caught') else 'NOT CAUGHT'}: "
                 f"{str(item.get('reason'))[:140]}")
         run.add("controls", item)
-
-
-def _probe_layers(model, ids: list[int]) -> dict[tuple[int, str], torch.Tensor]:
-    seen: dict[tuple[int, str], torch.Tensor] = {}
-    with model.probe(lambda layer, name, t: seen.setdefault((layer, name), t.detach().float().cpu())):
-        model.logits(torch.tensor(ids))
-    return seen
-
-
-def _with_profile(profile: str | None, fn):
-    if profile is None:
-        return fn()
-    os.environ[GPU_PROFILE_ENV] = profile
-    try:
-        return fn()
-    finally:
-        os.environ.pop(GPU_PROFILE_ENV, None)
-
-
-def section_drift(run: Run, cpu_model, gpu_model) -> None:
-    """The judged row: the bf16 profile. Diagnostics beside it (not judged): the same profile in
-    fp32 (the kernels' own error, ~fp32 rounding if they are right) and torch's own bf16 forms
-    (what bf16 alone costs, with no invariant kernel involved)."""
-    fp32_model = load_model(None, device="cuda", dtype=torch.float32)
-    # a diagnostic lane (e.g. TRITON_F32_DEFAULT=ieee: fla's fp32 dots without TF32) labels its
-    # rows and judges none of them
-    note = os.environ.get("K3VERIFY_DRIFT_NOTE", "")
-    modes = [("bf16 invariant profile", gpu_model, None, not note),
-             ("fp32 invariant profile", fp32_model, None, False),
-             ("bf16 torch defaults", gpu_model, "torch", False)]
-    modes = [(f"{m}{' + ' + note if note else ''}", model, prof, judged) for m, model, prof, judged in modes]
-    for name in DRIFT_SCENARIOS:
-        sc = workloads.build(name, scale=SCALE)
-        ref = run_scenario(cpu_model, sc, (), keep=True)
-        force = {rid: rc.tokens for rid, rc in ref.requests.items()}
-        for mode, model, profile, judged in modes:
-            if not judged and name not in ("single", "long_prompt"):
-                continue
-            gpu = _with_profile(profile, lambda: run_scenario(model, sc, (), keep=True, force=force))
-            _drift_row(run, name, mode, judged, ref, gpu)
-    del fp32_model
-    _drift_layers(run, cpu_model, gpu_model)
-
-
-def _drift_row(run: Run, name: str, mode: str, judged: bool, ref, gpu) -> None:
-    rows_r, rows_g = [], []
-    for rid, r in ref.requests.items():
-        common = sorted(set(r.logits) & set(gpu.requests[rid].logits))
-        rows_r += [r.logits[p].tensor for p in common]
-        rows_g += [gpu.requests[rid].logits[p].tensor for p in common]
-    f = compare_logits(torch.stack(rows_r), torch.stack(rows_g), label=f"GPU vs CPU reference, {name}")
-    scale = float(torch.stack(rows_r).abs().max())
-    ok = f.kl_max <= GPU_DRIFT_BUDGET["max_kl"] and f.top1_agreement >= GPU_DRIFT_BUDGET["min_top1"]
-    item = {"scenario": name, "mode": mode, "rows": f.n_rows, "kl_max": f.kl_max, "kl_mean": f.kl_mean,
-            "top1": f.top1_agreement, "max_abs": f.max_abs, "rel_to_max": f.max_abs / scale if scale else None,
-            "argmax_flips": f.argmax_flips, "budget": GPU_DRIFT_BUDGET,
-            "status": ("pass" if ok else "fail") if judged else "info"}
-    run.log(f"drift {name} [{mode}]: KL max {f.kl_max:.3g} mean {f.kl_mean:.3g}, top-1 {f.top1_agreement:.4f}, "
-            f"max|d|/max {item['rel_to_max']:.3g} -> {item['status']}")
-    run.add("drift", item)
-
-
-def _drift_layers(run: Run, cpu_model, gpu_model) -> None:
-    sc = workloads.build("long_prompt", scale=SCALE)
-    ids = list(sc.requests[0].prompt_ids)
-    cpu_t, gpu_t = _probe_layers(cpu_model, ids), _probe_layers(gpu_model, ids)
-    per_layer = []
-    for key in sorted(cpu_t, key=lambda k: (k[0], k[1])):
-        a, b = cpu_t[key], gpu_t.get(key)
-        if b is None or a.shape != b.shape:
-            continue
-        m = float(a.abs().max())
-        per_layer.append({"layer": key[0], "sublayer": key[1],
-                          "rel_to_max": float((a - b).abs().max()) / m if m else 0.0})
-    run.add("drift_layers", {"prompt_tokens": len(ids), "points": per_layer})
-    run.log("drift per layer: " + ", ".join(f"{p['layer']}/{p['sublayer']} {p['rel_to_max']:.2g}"
-                                            for p in per_layer if p["sublayer"] in ("mixer", "ffn", "logits")))
-
-
-def section_fla(run: Run) -> None:
-    """chunk_kda vs fused_recurrent_kda on random inputs with the model's gate range."""
-    from optimized_stack.kernels.kda.fla import fla_chunk, fla_recurrent
-    for heads, dim in ((4, 16), (8, 128)):
-        for t_len in (1, 31, 63, 64, 65, 127, 128, 129):
-            gen = torch.Generator().manual_seed(t_len * 31 + dim)
-            x = torch.randn(t_len, heads, dim, generator=gen)
-            q = (torch.nn.functional.normalize(x, dim=-1) * dim ** -0.5).cuda()
-            k = torch.nn.functional.normalize(torch.randn(t_len, heads, dim, generator=gen), dim=-1).cuda()
-            v = torch.randn(t_len, heads, dim, generator=gen).cuda()
-            g = (-5 * torch.sigmoid(torch.randn(t_len, heads, dim, generator=gen))).cuda()
-            beta = torch.sigmoid(torch.randn(t_len, heads, generator=gen)).cuda()
-            s0 = (torch.randn(heads, dim, dim, generator=gen) * 0.1).cuda()
-            oc, sc_ = fla_chunk(q, k, v, g, beta, s0)
-            orr, sr = fla_recurrent(q, k, v, g, beta, s0)
-            item = {"heads": heads, "head_dim": dim, "tokens": t_len,
-                    "out_rel": float((oc - orr).abs().max() / orr.abs().max()),
-                    "state_rel": float((sc_ - sr).abs().max() / sr.abs().max())}
-            run.log(f"fla chunk vs recurrent H={heads} K={dim} T={t_len}: out {item['out_rel']:.2g} "
-                    f"state {item['state_rel']:.2g}")
-            run.add("fla", item)
 
 
 def exact_toggles() -> list[str]:
@@ -258,8 +153,7 @@ def judge_one(model, m, runner: Runner) -> dict[str, Any]:
     return selftest_kind.run(unit, ctx)[0].to_dict()
 
 
-def section_exact(run: Run, gpu_model, only: set[str] | None = None) -> None:
-    refs = Runner(gpu_model)
+def section_exact(run: Run, gpu_model, refs: Runner, only: set[str] | None = None) -> None:
     names = [n for n in exact_toggles() if only is None or n in only]
     for name in names:
         if run.left() < 40:
@@ -276,10 +170,10 @@ def section_exact(run: Run, gpu_model, only: set[str] | None = None) -> None:
         run.add("exact", item)
 
 
-def section_mutants(run: Run, gpu_model, only: set[str] | None = None) -> None:
+def section_mutants(run: Run, gpu_model, refs: Runner, only: set[str] | None = None) -> None:
     """Every mutant of the exact toggles (of those in `only`, when given): caught on the GPU?"""
     of = [n for n in exact_toggles() if only is None or n in only]
-    _mutants(run, "exact_mutants", gpu_model, Runner(gpu_model), of)
+    _mutants(run, "exact_mutants", gpu_model, refs, of)
 
 
 def _verdict(name: str, results) -> dict[str, Any]:
@@ -338,7 +232,7 @@ def _mutants(run: Run, section: str, model, refs, of: list[str]) -> None:
             if m.mutant_of in GRID_SCENARIOS:
                 item = _judge_on_grid(model, refs, m, GRID_SCENARIOS[m.mutant_of])
             else:
-                item = _slim(judge_one(model, m, refs))
+                item = slim(judge_one(model, m, refs))
         except Exception as exc:
             item = {"toggle": m.name, "status": "error", "reason": f"{type(exc).__name__}: {exc}"[:400]}
         status = item.get("status")
@@ -349,10 +243,9 @@ def _mutants(run: Run, section: str, model, refs, of: list[str]) -> None:
         run.add(section, item)
 
 
-def section_approx(run: Run, gpu_model, only: set[str] | None = None) -> None:
-    """Every approx toggle that runs on one GPU (those in `only`, when given) within its budget,
-    then their mutants: caught?"""
-    refs = Runner(gpu_model)
+def section_approx(run: Run, gpu_model, refs: Runner, only: set[str] | None = None) -> None:
+    """Every approx toggle that runs on one GPU (those in `only`, when given) within its budget
+    for cuda:bfloat16, then their mutants: caught?"""
     names = [t.name for t in registry.all_toggles("optimization")
              if t.contract.kind == "approx" and "cuda" in t.devices and 1 in t.world_sizes
              and (only is None or t.name in only)]
@@ -365,7 +258,11 @@ def section_approx(run: Run, gpu_model, only: set[str] | None = None) -> None:
             results = _judge(gpu_model, name, refs)
             bad = [r for r in results if r.status in ("fail", "error")]
             worst = max((r.evidence.get("kl_max", 0.0) for r in results if r.evidence), default=None)
-            item = {"toggle": name, "status": "fail" if bad else "pass", "kl_max": worst,
+            worst_mean = max((r.evidence.get("kl_mean", 0.0) for r in results if r.evidence), default=None)
+            budget = registry.get(name).contract.for_run("cuda", gpu_model.lm_head.weight.dtype)
+            item = {"toggle": name, "status": "fail" if bad else "pass", "kl_max": worst, "kl_mean": worst_mean,
+                    "top1_min": min((r.evidence.get("top1_agreement", 1.0) for r in results if r.evidence),
+                                    default=None), "budget": budget.describe(),
                     "reason": (f"{bad[0].scenario}: {bad[0].reason}" if bad else
                                f"within budget on {len({r.scenario for r in results})} scenarios")}
         except Exception as exc:
@@ -388,7 +285,7 @@ def section_price(run: Run, model_src: str = "k3-small", repeats: int = 5) -> No
         model.logits(ids)
         torch.cuda.synchronize()
 
-    ab = interleaved(lambda: _with_profile("torch", prefill), lambda: _with_profile("invariant", prefill),
+    ab = interleaved(lambda: with_profile("torch", prefill), lambda: with_profile("invariant", prefill),
                      repeats=repeats, tokens=4096, labels=("torch defaults", "invariant profile"))
     _price_row(run, model_src, "prefill 4096 tokens, one request, bf16", repeats, ab)
     sc = workloads.build("multi_length", scale=1.0)
@@ -403,7 +300,7 @@ def section_price(run: Run, model_src: str = "k3-small", repeats: int = 5) -> No
         eng.run()
         torch.cuda.synchronize()
 
-    ab = interleaved(lambda: _with_profile("torch", engine_run), lambda: _with_profile("invariant", engine_run),
+    ab = interleaved(lambda: with_profile("torch", engine_run), lambda: with_profile("invariant", engine_run),
                      repeats=3, tokens=tokens, labels=("torch defaults", "invariant profile"))
     _price_row(run, model_src, f"{sc.name}: {len(sc.requests)} requests through the engine, continuous batching "
                                f"+ chunked prefill (budget 512), bf16", 3, ab)
@@ -420,83 +317,6 @@ def _price_row(run: Run, model_src: str, workload: str, repeats: int, ab) -> Non
     run.log(f"price of exactness ({model_src}, {workload}): {item['price_of_exactness']:.3f}x "
             f"[{item['ci95'][0]:.3f}, {item['ci95'][1]:.3f}]")
     run.add("price", item)
-
-
-# ---- summary and rendering --------------------------------------------------------------------------
-def _slim(item: dict[str, Any]) -> dict[str, Any]:
-    keep = ("toggle", "kind", "contract", "scenario", "status", "reason", "caught", "op", "shape", "m", "wall_s")
-    return {k: item.get(k) for k in keep if k in item}
-
-
-def summary(doc: dict[str, Any]) -> dict[str, Any]:
-    """summary.json of issue 18 item 6 (fields this run did not reach are null)."""
-    sec, env = doc.get("sections", {}), doc.get("environment", {})
-    exact = {}
-    for v in sec.get("exact", []):
-        st = v["status"]
-        exact[v["toggle"]] = f"not-exact-on-cuda: {v['reason'].removeprefix('not exact on cuda: ')}" \
-            if st == "not-exact-on-cuda" else st
-    muts = [m for m in sec.get("exact_mutants", []) + sec.get("approx_mutants", []) if m.get("status") != "skip"]
-    inv = sec.get("invariance", [])
-    price = sec.get("price", [{}])[0] if sec.get("price") else {}       # the kernel-bound prefill
-    return {"device": env.get("cuda_device"), "torch": env.get("torch"), "fla": doc.get("fla"),
-            "driver": doc.get("driver"), "exact": exact,
-            "mutants": {"caught": sum(1 for m in muts if m.get("caught")), "total": len(muts),
-                        "not_judged": sum(1 for m in sec.get("exact_mutants", []) + sec.get("approx_mutants", [])
-                                          if m.get("status") == "skip")},
-            "invariance": {"pass": sum(1 for i in inv if i.get("status") == "pass"),
-                           "fail": sum(1 for i in inv if i.get("status") == "fail"),
-                           "negative_controls_failed": sum(len(i.get("negative_controls_failed", [])) for i in inv)},
-            "price_of_exactness": price.get("price_of_exactness"),
-            "price_of_exactness_rows": [{"workload": p["workload"], "ratio": p["price_of_exactness"], "ci95": p["ci95"]}
-                                        for p in sec.get("price", [])],
-            "drift": {"budget": GPU_DRIFT_BUDGET,
-                      "kl_max": max((d["kl_max"] for d in sec.get("drift", []) if d["status"] != "info"), default=None),
-                      "top1_min": min((d["top1"] for d in sec.get("drift", []) if d["status"] != "info"), default=None)}}
-
-
-def render(doc: dict[str, Any]) -> str:
-    env, sec = doc.get("environment", {}), doc.get("sections", {})
-    lines = ["# k3verify GPU exactness run", "",
-             f"- device: {env.get('cuda_device')}; torch {env.get('torch')}; cuda {env.get('cuda')}; "
-             f"driver {doc.get('driver', '?')}; fla {doc.get('fla', '?')}"]
-
-    def table(title: str, cols: tuple[str, ...], rows: list[tuple]) -> None:
-        lines.extend(["", f"## {title}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)])
-        lines.extend("| " + " | ".join(str(c) for c in r) + " |" for r in rows)
-
-    if sec.get("invariance"):
-        table("Batch invariance of the GPU reference profile (every op x shape x M)",
-              ("model", "verdict", "rows", "failed", "negative controls that failed (must)"),
-              [(i["model"], i["status"], i.get("rows"), i.get("failed_rows"), ", ".join(i.get("negative_controls_failed", [])))
-               for i in sec["invariance"]])
-    if sec.get("drift"):
-        table(f"GPU reference (bf16) vs CPU reference (fp32), teacher-forced; budget {GPU_DRIFT_BUDGET}",
-              ("scenario", "GPU side", "rows", "KL max", "KL mean", "top-1", "max|d|/max|ref|", "verdict"),
-              [(d["scenario"], d.get("mode", ""), d["rows"], f"{d['kl_max']:.3g}", f"{d['kl_mean']:.3g}",
-                f"{d['top1']:.4f}", f"{d['rel_to_max']:.3g}", d["status"]) for d in sec["drift"]])
-    if sec.get("fla"):
-        table("fla chunk_kda vs fused_recurrent_kda (random inputs, g in (-5, 0))",
-              ("H x K", "T", "output rel", "state rel"),
-              [(f"{f['heads']}x{f['head_dim']}", f["tokens"], f"{f['out_rel']:.2g}", f"{f['state_rel']:.2g}")
-               for f in sec["fla"]])
-    for key, title in (("exact", "Exact toggles on the GPU reference (bitwise: tokens, logits, KDA state, MLA rows)"),
-                       ("approx", "Approx toggles on CUDA (drift budget)")):
-        if sec.get(key):
-            table(title, ("toggle", "verdict", "why"), [(v["toggle"], v["status"], str(v.get("reason"))[:160])
-                                                       for v in sec[key]])
-    for key in ("exact_mutants", "approx_mutants"):
-        if sec.get(key):
-            table(f"Mutants ({key.split('_')[0]} toggles)", ("mutant", "of", "caught", "how"),
-                  [(m["toggle"], m.get("mutant_of"), {True: "yes", False: "NO"}.get(m.get("caught"), "not judged"),
-                    str(m.get("reason"))[:140]) for m in sec[key]])
-    if sec.get("price"):
-        table("Price of exactness (same workload, interleaved; > 1 = the invariant profile is slower)",
-              ("model", "workload", "torch tok/s", "invariant tok/s", "price [95% CI]"),
-              [(p["model"], p["workload"], f"{p['tokens_per_s_torch']:.0f}", f"{p['tokens_per_s_invariant']:.0f}",
-                f"{p['price_of_exactness']:.3f}x [{p['ci95'][0]:.3f}, {p['ci95'][1]:.3f}]") for p in sec["price"]])
-    lines += ["", "## Log", "", "```", *doc.get("log", []), "```", ""]
-    return "\n".join(lines)
 
 
 def _wait(run: Run, spec: str, tag: str, limit_s: float = 150.0) -> None:
@@ -551,14 +371,16 @@ def main(argv: list[str] | None = None) -> int:
     if set(sections) & {"drift", "exact", "mutants", "approx"}:
         gpu_model = load_model(None, device="cuda", dtype=torch.bfloat16)
         cpu_model = load_model(None)
+    refs = Runner(gpu_model) if gpu_model is not None else None      # reference captures, shared by sections
     wait_for = os.environ.get("K3VERIFY_WAIT_FOR", "")       # files the warm-up processes write when done
     steps = {"invariance_mini": lambda: section_invariance(run, [("k3-mini (embedded)", None)]),
              "controls": lambda: section_controls(run),
              "invariance_small": lambda: (_wait(run, wait_for, "128"),
                                           section_invariance(run, [("k3-small", "k3-small")])),
-             "drift": lambda: section_drift(run, cpu_model, gpu_model), "fla": lambda: section_fla(run),
-             "exact": lambda: section_exact(run, gpu_model, only), "mutants": lambda: section_mutants(run, gpu_model, only),
-             "approx": lambda: section_approx(run, gpu_model, only),
+             "drift": lambda: gpu_drift.section(run, cpu_model, gpu_model), "fla": lambda: gpu_drift.section_fla(run),
+             "exact": lambda: section_exact(run, gpu_model, refs, only),
+             "mutants": lambda: section_mutants(run, gpu_model, refs, only),
+             "approx": lambda: section_approx(run, gpu_model, refs, only),
              "price": lambda: section_price(run)}
     if sections and sections[0] in ("invariance_mini", "controls", "drift", "exact", "mutants", "approx"):
         _wait(run, wait_for, "16")

@@ -5,7 +5,8 @@ logits, kda_state, mla_rows): pass when the candidate's capture is bit-identical
 reference's, fail with the first divergence, the comparator's findings and the localised
 sublayer when not. For an `approx` toggle, one `drift_budget` result: teacher-forced on the
 reference tokens, max KL, top-1 agreement and max ULP of every logit row, and the final KDA
-state drift, against the declared budget.
+state drift, against the declared budget for the model's device and dtype
+(Contract.for_run: bf16 on CUDA has its own, declared from bf16's noise floor).
 
 Path evidence: every toggle declares the events that prove its code ran (Toggle.events,
 optimized_stack/events.py) and the candidate's capture counts them. A check that held on a
@@ -65,6 +66,8 @@ def drift_verdict(ref: Capture, cand: Capture, contract) -> tuple[bool, str, lis
     problems = []
     if contract.max_kl is not None and f.kl_max > contract.max_kl:
         problems.append(f"max KL {f.kl_max:.3g} > budget {contract.max_kl:g}")
+    if contract.mean_kl is not None and f.kl_mean > contract.mean_kl:
+        problems.append(f"mean KL {f.kl_mean:.3g} > budget {contract.mean_kl:g}")
     if contract.min_top1 is not None and f.top1_agreement < contract.min_top1:
         problems.append(f"top-1 agreement {f.top1_agreement:.4f} < budget {contract.min_top1:g}")
     if contract.max_ulp is not None and (f.max_ulp or 0) > contract.max_ulp:
@@ -77,7 +80,7 @@ def drift_verdict(ref: Capture, cand: Capture, contract) -> tuple[bool, str, lis
     findings = [{**f.to_dict(), "message": f.message()}]
     if problems:
         return False, "; ".join(problems), findings, drift.evidence()
-    return True, (f"within budget: max KL {f.kl_max:.3g}, top-1 {f.top1_agreement:.4f}, "
+    return True, (f"within budget: max KL {f.kl_max:.3g}, mean {f.kl_mean:.3g}, top-1 {f.top1_agreement:.4f}, "
                   f"max ULP {f.max_ulp} over {f.n_rows} rows, KDA state drift {state_rel:.3g}"), findings, \
         drift.evidence()
 
@@ -119,7 +122,8 @@ def check_toggle(model, toggle_name: str, scenario, *, localize_failures: bool =
     """Run reference and candidate on one scenario and judge the toggle's contract."""
     runner = runner or Runner(model)
     toggle = toggle_registry.get(toggle_name)
-    contract = toggle.contract
+    # the budget for this device and dtype (bf16 on CUDA is held to bf16's noise, not fp32's)
+    contract = toggle.contract.for_run(model_device(model), next(model.parameters()).dtype)
     subject = Subject.of(toggle.name)
     skip = applies(toggle, scenario, device=model_device(model), world_size=runner.world_size)
     if skip:
@@ -144,7 +148,8 @@ def check_toggle(model, toggle_name: str, scenario, *, localize_failures: bool =
                           findings=findings, evidence=evidence, first_divergence=first,
                           duration_s=time.perf_counter() - t0)
         if not ok and localize_failures:
-            res.localization = _localize(model, toggle.name, scenario, ref, first=first)
+            res.localization = _localize(model, toggle.name, scenario, ref,
+                                         first=first or _state_over(evidence, contract))
         return [unexercised(res, toggle, scenario.name, event_evidence(toggle, cand, grid_in_force(model_device(model))))]
     # a mutant is run to fail: keep its tensors at once instead of re-running it for the findings
     kept = toggle.kind == "mutant"
@@ -177,10 +182,24 @@ def check_toggle(model, toggle_name: str, scenario, *, localize_failures: bool =
     return results
 
 
+def _state_over(evidence: dict, contract) -> dict | None:
+    """The first layer (execution order) whose final KDA state is over the state budget, as a
+    state divergence for localisation: a fault the logits never show (a state stored in the
+    wrong layout and read back the same way) is found only there."""
+    if contract.max_state_rel is None:
+        return None
+    over = [s for s in evidence.get("kda_state_drift", []) if s["rel_to_max"] > contract.max_state_rel]
+    if not over:
+        return None
+    first = min(over, key=lambda s: s["layer"])
+    return {"tensor": "recurrent", "layer": first["layer"], "request": first["request"]}
+
+
 def _localize(model, toggle_name: str, scenario, ref: Capture, first: dict | None = None) -> dict | None:
     from k3verify.localize import localize_request
     rid = (first or {}).get("request") or next(iter(ref.requests))
     r = ref.requests[rid]
     spec = next(x for x in scenario.requests if x.request_id == rid)
     ids = list(spec.prompt_ids) + r.tokens[:-1]
-    return localize_request(model, toggle_name, ids, request_id=rid, state_first=first)
+    return localize_request(model, toggle_name, ids, request_id=rid, state_first=first,
+                            prompt_len=len(spec.prompt_ids))

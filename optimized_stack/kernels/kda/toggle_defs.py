@@ -10,7 +10,7 @@ import torch
 
 from ...model import ops
 from ...model.kda import kda_recurrent
-from ...toggles import EXACT, Contract, Toggle, register
+from ...toggles import EXACT, Contract, Toggle, on_bf16_cuda, register
 from . import fla
 from .chunked import kda_chunked
 
@@ -18,13 +18,16 @@ from .chunked import kda_chunked
 # 98% teacher-forced argmax agreement leave two orders of magnitude of headroom while a
 # structural bug (mutants below) lands far outside. The final KDA state drifts 4e-7..1.2e-6
 # of max|state| under these kernels, a bf16 state 8e-3: 1e-4 sits between.
-APPROX_KERNEL = Contract("approx", max_kl=1e-6, min_top1=0.98, max_state_rel=1e-4, quality=("gsm8k", "needle"))
+APPROX_KERNEL = on_bf16_cuda(Contract("approx", max_kl=1e-6, min_top1=0.98, max_state_rel=1e-4,
+                                      quality=("gsm8k", "needle")))
 # fla's chunk kernels take tl.dot in TF32 on fp32 inputs (10-bit mantissa): logits KL 7.6e-6
 # on the H200 (NOTES.md), far above the CPU kernels' 1e-11. A dropped state lands at KL >=
 # 1e-2, a bf16 state at 1.6e-2; a transposed state shows in the state itself (O(1) of max).
-FLA_KERNEL = Contract("approx", max_kl=1e-4, min_top1=0.98, max_state_rel=1e-2, quality=("gsm8k", "needle"))
+FLA_KERNEL = on_bf16_cuda(Contract("approx", max_kl=1e-4, min_top1=0.98, max_state_rel=1e-2,
+                                    quality=("gsm8k", "needle")))
 # fused_recurrent_kda does fp32 FMAs (no tensor cores): KL 6.5e-12 measured, the CPU budget.
-FLA_RECURRENT = Contract("approx", max_kl=1e-6, min_top1=0.98, max_state_rel=1e-4, quality=("gsm8k", "needle"))
+FLA_RECURRENT = on_bf16_cuda(Contract("approx", max_kl=1e-6, min_top1=0.98, max_state_rel=1e-4,
+                                      quality=("gsm8k", "needle")))
 CUDA = ("cuda",)
 
 
@@ -124,5 +127,7 @@ register(Toggle(
     name="mut_fla_recurrent_state_transposed", kind="mutant", mutant_of="kda_fla_recurrent",
     contract=FLA_RECURRENT, touches=("logits", "kda_state"), devices=CUDA,
     description="the cached state handed to fused_recurrent_kda as [V, K] (a layout mix-up that "
-                "square heads hide)", caught_by=("drift_budget",), lives_in="kda/mixer",
+                "square heads hide)", caught_by=("drift_budget",),
+    # read back in the same wrong layout, so no output differs: only the stored state shows it
+    lives_in="kda/recurrent",
     ops=both(functools.partial(fla.fla_recurrent, _transpose_state=True)), events=BOTH))

@@ -8,13 +8,14 @@ import functools
 import torch
 
 from ...model import ops
-from ...toggles import EXACT, Contract, Toggle, register
+from ...toggles import EXACT, Contract, Toggle, on_bf16_cuda, register
 from .grouped import routed_grouped
 from .side_stream import moe_forward_side_stream
 
 # cuBLAS picks its kernel by the GEMM's row count, so expert GEMMs on padded groups may
 # round differently from the per-expert ones: a few ULP, the CPU kernels' budget.
-GEMM_REGROUP = Contract("approx", max_kl=1e-6, min_top1=0.98, max_state_rel=1e-4, quality=("gsm8k", "needle"))
+GEMM_REGROUP = on_bf16_cuda(Contract("approx", max_kl=1e-6, min_top1=0.98, max_state_rel=1e-4,
+                                      quality=("gsm8k", "needle")))
 CUDA = ("cuda",)
 
 register(Toggle(
