@@ -101,7 +101,7 @@ def _localize_once(model, toggle_name: str, ids: list[int], request_id: str, sta
     ref_nf = _first_nonfinite_probe(model, order, ref)
     with toggle_registry.applied([toggle_name]) as applied:
         if applied.engine:
-            out = _state_only(model, state_first, "engine toggle: replayed by state check only")
+            out = state_only(model, state_first, "engine toggle: replayed by state check only")
             return _nonfinite_first(order, out, ref_nf, None, request_id, len(ids))
         cand_order, cand = _record(model, _feed(model, ids_t, applied.runner, decode_from))
     cand_nf = _first_nonfinite_probe(model, cand_order, cand)
@@ -126,7 +126,7 @@ def _first_difference(model, order, ref, cand, request_id: str, n_ids: int, stat
                 # the state check saw which state tensor went wrong first: that is finer
                 out["component"], out["state"] = state["component"], state
             return out
-    return _state_only(model, state_first, "no sublayer output differs on a single-request replay")
+    return state_only(model, state_first, "no sublayer output differs on a single-request replay")
 
 
 def _first_nonfinite_probe(model, order, rows) -> dict[str, Any] | None:
@@ -172,7 +172,8 @@ def _state_component(first: dict | None) -> dict | None:
             "component": f"kda/{part}"}
 
 
-def _state_only(model, state_first: dict | None, note: str) -> dict[str, Any]:
+def state_only(model, state_first: dict | None, note: str) -> dict[str, Any]:
+    """A localisation from the state check alone (the layer and state tensor seen wrong first)."""
     state = _state_component(state_first)
     if state is None:
         return {"layer": None, "sublayer": None, "component": None, "note": note}

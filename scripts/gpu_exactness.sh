@@ -36,13 +36,16 @@ LANE5=${LANE5:-invariance_mini,controls,drift,price,invariance_small,fla}
 LANE6=${LANE6:-kda_chunked,kda_fla_chunk,kda_fla_recurrent,mla_absorbed,mla_sdpa,moe_grouped,moe_grouped_static,gemm_per_shape}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-3}
 run_lane() {  # tag sections [--only toggles]
-  K3VERIFY_WAIT_FOR=16:/tmp/k3-warm16,128:/tmp/k3-warm128 timeout "${RUN_TIMEOUT_S:-500}" \
+  K3VERIFY_WAIT_FOR=${WAIT_FOR-16:/tmp/k3-warm16,128:/tmp/k3-warm128} timeout "${RUN_TIMEOUT_S:-500}" \
     python3 -m k3verify.perf.gpu_exactness --out "$OUT" --budget-s "${RUN_BUDGET_S:-430}" --tag "$1" --sections "$2" ${3:+--only $3} \
     > "$OUT/lane_$1.log" 2>&1
   echo "lane $1 rc=$?"
 }
-if [ -n "${LANES:-}" ]; then          # e.g. LANES="mutants:mutants approx:approx"
-  for spec in $LANES; do run_lane "${spec%%:*}" "${spec#*:}" & done
+if [ -n "${LANES:-}" ]; then          # e.g. LANES="mutants:mutants approx:approx:kda_fla_chunk,mla_sdpa"
+  for spec in $LANES; do
+    IFS=: read -r tag secs only <<< "$spec"
+    run_lane "$tag" "$secs" "$only" &
+  done
 else
   run_lane exact1 exact,mutants "$LANE1" &
   run_lane exact2 exact,mutants "$LANE2" &
@@ -51,8 +54,11 @@ else
   run_lane rest "$LANE5" &
   run_lane approx approx "$LANE6" &
 fi
-if [ -n "${IEEE_LANE:-}" ]; then       # the drift again with fla's fp32 dots in IEEE (no TF32)
-  TRITON_F32_DEFAULT=ieee K3VERIFY_DRIFT_NOTE="TRITON_F32_DEFAULT=ieee" run_lane ieee drift &
+if [ -n "${IEEE_LANE:-}" ]; then       # e.g. IEEE_LANE=drift,fla,approx:kda_fla_chunk: fla's dots all in IEEE fp32
+  IFS=: read -r secs only <<< "$IEEE_LANE"
+  # its own Triton cache (the warm-up compiles fla's default dots, so it does not wait for it)
+  K3_FLA_DOTS=ieee TRITON_CACHE_DIR=/tmp/triton-ieee K3VERIFY_DRIFT_NOTE="K3_FLA_DOTS=ieee" WAIT_FOR="" \
+    run_lane ieee "$secs" "$only" &
 fi
 wait
 tail -3 "$OUT/pytest_kernels.log"

@@ -89,3 +89,37 @@ def test_summary_counts_drift_rows_and_controls():
     assert (d["pass"], d["fail"], d["negative_controls_failed"], d["negative_controls"]) == (1, 0, 1, 1)
     assert d["kl_mean_max"] == 0.004
     assert "0.005 / 0.9800" in render(doc)
+
+
+def test_merge_of_successive_calls_lets_a_rerun_replace_its_first_verdict(tmp_path):
+    import json
+    from k3verify.perf.gpu_exactness import main
+    first, second = tmp_path / "call1", tmp_path / "call2"
+    first.mkdir(), second.mkdir()
+    (first / "gpu_exactness.json").write_text(json.dumps({"sections": {"exact": [
+        {"toggle": "a", "status": "skip", "reason": "x"}, {"toggle": "b", "status": "pass", "reason": "y"}]},
+        "log": ["one"]}))
+    (second / "gpu_exactness.json").write_text(json.dumps({"sections": {"exact": [
+        {"toggle": "a", "status": "inert-on-cuda", "reason": "z"}]}, "log": ["two"]}))
+    out = tmp_path / "out"
+    assert main(["--out", str(out), "--merge", str(first / "gpu_exactness.json"),
+                 str(second / "gpu_exactness.json"), "--supersede"]) == 0
+    doc = json.loads((out / "gpu_exactness.json").read_text())
+    assert [(i["toggle"], i["status"]) for i in doc["sections"]["exact"]] == [("a", "inert-on-cuda"), ("b", "pass")]
+    assert json.loads((out / "summary.json").read_text())["exact"]["a"] == "inert-on-cuda: z"
+    # without --supersede both rows stay (the lanes of one call never overlap)
+    assert main(["--out", str(out), "--merge", str(first / "gpu_exactness.json"),
+                 str(second / "gpu_exactness.json")]) == 0
+    assert len(json.loads((out / "gpu_exactness.json").read_text())["sections"]["exact"]) == 3
+    assert main(["--out", str(out), "--merge", str(tmp_path / "nope.json")]) == 2
+
+
+def test_fla_dots_choice(monkeypatch):
+    from optimized_stack.kernels.kda import fla
+    monkeypatch.delenv(fla.DOTS_ENV, raising=False)
+    assert fla.dots_choice() == "fla"
+    monkeypatch.setenv(fla.DOTS_ENV, "IEEE")
+    assert fla.dots_choice() == "ieee"
+    monkeypatch.setenv(fla.DOTS_ENV, "tf32")
+    with pytest.raises(K3Error, match="K3_FLA_DOTS"):
+        fla.dots_choice()

@@ -147,7 +147,7 @@ def _layers(run, cpu_model, gpu_model) -> None:
 
 def section_fla(run) -> None:
     """chunk_kda vs fused_recurrent_kda on random inputs with the model's gate range."""
-    from optimized_stack.kernels.kda.fla import fla_chunk, fla_recurrent
+    from optimized_stack.kernels.kda.fla import dots_choice, fla_chunk, fla_recurrent
     for heads, dim in ((4, 16), (8, 128)):
         for t_len in (1, 31, 63, 64, 65, 127, 128, 129):
             gen = torch.Generator().manual_seed(t_len * 31 + dim)
@@ -160,9 +160,9 @@ def section_fla(run) -> None:
             s0 = (torch.randn(heads, dim, dim, generator=gen) * 0.1).cuda()
             oc, sc_ = fla_chunk(q, k, v, g, beta, s0)
             orr, sr = fla_recurrent(q, k, v, g, beta, s0)
-            item = {"heads": heads, "head_dim": dim, "tokens": t_len,
+            item = {"heads": heads, "head_dim": dim, "tokens": t_len, "dots": dots_choice(),
                     "out_rel": float((oc - orr).abs().max() / orr.abs().max()),
                     "state_rel": float((sc_ - sr).abs().max() / sr.abs().max())}
-            run.log(f"fla chunk vs recurrent H={heads} K={dim} T={t_len}: out {item['out_rel']:.2g} "
+            run.log(f"fla chunk vs recurrent [{item['dots']}] H={heads} K={dim} T={t_len}: out {item['out_rel']:.2g} "
                     f"state {item['state_rel']:.2g}")
             run.add("fla", item)

@@ -77,18 +77,36 @@ def write_all(out: Path, doc: dict[str, Any]) -> None:
     atomic_write_text(out / "gpu_exactness.md", render(doc))
 
 
-def merge(paths: list[Path]) -> dict[str, Any]:
-    """Lanes' documents into one: sections concatenated in lane order, logs prefixed by lane."""
+ITEM_KEYS = ("toggle", "model", "scenario", "mode", "heads", "head_dim", "tokens", "dots", "workload", "section")
+
+
+def _item_key(item: dict[str, Any]) -> tuple:
+    return tuple(item.get(k) for k in ITEM_KEYS)
+
+
+def merge(paths: list[Path], supersede: bool = False) -> dict[str, Any]:
+    """Lanes' documents into one: sections concatenated in lane order, logs prefixed by lane.
+    With `supersede` (documents of successive device calls, oldest first) an item of a later
+    document replaces the earlier one with the same key (toggle, model, scenario + mode, ...),
+    so a re-run after a fix replaces its first verdict; the log keeps both."""
     import json
     doc: dict[str, Any] = {"sections": {}, "log": [], "lanes": []}
     for p in paths:
         lane = json.loads(p.read_text(encoding="utf-8"))
         tag = p.stem.removeprefix("gpu_exactness_")
+        if supersede:
+            tag = p.parent.name + "/" + tag
         doc["lanes"].append(tag)
         for key in ("environment", "driver", "fla"):
             doc.setdefault(key, lane.get(key))
         for name, items in lane.get("sections", {}).items():
-            doc["sections"].setdefault(name, []).extend(items)
+            have = doc["sections"].setdefault(name, [])
+            for item in items:
+                same = [i for i, old in enumerate(have) if supersede and _item_key(old) == _item_key(item)]
+                if same:
+                    have[same[0]] = {**item, "superseded_by": tag}
+                else:
+                    have.append(item)
         doc["log"] += [f"[{tag}] {line}" for line in lane.get("log", [])]
     return doc
 
@@ -163,6 +181,8 @@ def section_exact(run: Run, gpu_model, refs: Runner, only: set[str] | None = Non
         try:
             results = _judge(gpu_model, name, refs)
             item = _verdict(name, results)
+            if item["status"] == "skip" and item["reason"].startswith(GRID_INERT):
+                item = _judge_inert(gpu_model, name, refs, item["reason"])
         except Exception as exc:                  # a kernel that does not run is a verdict too
             item = {"toggle": name, "status": "error", "reason": f"{type(exc).__name__}: {exc}"[:400]}
         item["wall_s"] = time.perf_counter() - t0
@@ -200,6 +220,35 @@ GRID_SCENARIOS = {"prefix_cache": ("shared_prefix_forks", "multi_turn"),
                   "prefix_cache_subblock": ("shared_prefix_forks", "multi_turn"),
                   "ckpt_with_mla_tail": ("shared_prefix_forks", "multi_turn"),
                   "host_kv_tier": ("eviction",)}
+
+
+GRID_INERT = "not applicable on the 64-token KDA grid"
+
+
+def _judge_inert(model, name: str, refs: Runner, why: str, scale: float = 1.0) -> dict[str, Any]:
+    """A toggle none of whose own paths can run on the grid (a sub-block hit restarts from the
+    aligned checkpoint instead): not a pass, since its code never ran, but still judged bit for
+    bit with it switched on, on its grid scenarios, so that enabling it on CUDA is shown to
+    change nothing. The counters say what ran in its place."""
+    from k3verify.compare.captures import compare_captures
+    from k3verify.scenarios.answers import realized
+    checks, failed, fired = 0, [], {}
+    for sc_name in GRID_SCENARIOS.get(name, ("shared_prefix_forks",)):
+        sc = realized(model, workloads.build(sc_name, scale=scale))
+        cand = refs.run(sc, (name,))
+        for check, v in compare_captures(refs.reference(sc), cand, sc.name).items():
+            checks += 1
+            if not v["equal"]:
+                failed.append(f"{sc_name}/{check}: {v['reason']}")
+        for event, n in cand.events.items():
+            fired[event] = fired.get(event, 0) + int(n)
+    if failed:
+        return {"toggle": name, "status": "fail", "reason": "; ".join(failed)[:400], "events": fired}
+    ran = ", ".join(f"{e}={n}" for e, n in sorted(fired.items()) if e.startswith("prefix_") or e == "checkpoint_saved")
+    return {"toggle": name, "status": "inert-on-cuda",
+            "reason": f"{why.removeprefix(GRID_INERT + ': ')}; switched on, bit-identical on "
+                      f"{len(GRID_SCENARIOS.get(name, ('shared_prefix_forks',)))} full-scale grid scenarios ({checks} "
+                      f"checks; in its place: {ran or 'nothing'})", "events": fired}
 
 
 def _judge_on_grid(model, refs, m, scenarios: tuple[str, ...]) -> dict[str, Any]:
@@ -249,9 +298,12 @@ def section_approx(run: Run, gpu_model, refs: Runner, only: set[str] | None = No
     names = [t.name for t in registry.all_toggles("optimization")
              if t.contract.kind == "approx" and "cuda" in t.devices and 1 in t.world_sizes
              and (only is None or t.name in only)]
+    # a diagnostic lane (K3VERIFY_DRIFT_NOTE, e.g. fla's dots in IEEE) reports beside the verdicts
+    note = os.environ.get("K3VERIFY_DRIFT_NOTE", "")
+    section, mut_section = ("approx", "approx_mutants") if not note else ("approx_diagnostic", "approx_mutants_diagnostic")
     for name in names:
         if run.left() < 40:
-            run.add("approx", {"toggle": name, "status": "skip", "reason": "time budget spent"})
+            run.add(section, {"toggle": name, "status": "skip", "reason": "time budget spent"})
             continue
         t0 = time.perf_counter()
         try:
@@ -269,8 +321,10 @@ def section_approx(run: Run, gpu_model, refs: Runner, only: set[str] | None = No
             item = {"toggle": name, "status": "error", "reason": f"{type(exc).__name__}: {exc}"[:400]}
         item["wall_s"] = time.perf_counter() - t0
         run.log(f"approx {name}: {item['status']} {str(item.get('reason'))[:150]}")
-        run.add("approx", item)
-    _mutants(run, "approx_mutants", gpu_model, refs, names)
+        if note:
+            item["note"] = note
+        run.add(section, item)
+    _mutants(run, mut_section, gpu_model, refs, names)
 
 
 def section_price(run: Run, model_src: str = "k3-small", repeats: int = 5) -> None:
@@ -349,10 +403,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tag", default="", help="a parallel lane: write gpu_exactness_TAG.json only")
     ap.add_argument("--merge", nargs="+", type=Path, default=None,
                     help="join lanes' gpu_exactness_TAG.json into gpu_exactness.{json,md} + summary.json in --out")
+    ap.add_argument("--supersede", action="store_true",
+                    help="with --merge: documents of successive calls, oldest first; a later item replaces an earlier one")
     args = ap.parse_args(argv)
     if args.merge:
         args.out.mkdir(parents=True, exist_ok=True)
-        write_all(args.out, merge(args.merge))
+        missing = [p for p in args.merge if not p.is_file()]
+        if missing:
+            print(f"error: --merge: no such file {missing[0]}", file=sys.stderr)
+            return 2
+        write_all(args.out, merge(args.merge, supersede=args.supersede))
         return 0
     sections = [x for x in args.sections.split(",") if x]
     unknown = sorted(set(sections) - set(SECTIONS))
@@ -367,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     only = {t for t in args.only.split(",") if t} or None
     run.doc["driver"] = _driver()
     run.doc["fla"] = invariance._version("fla-core")
+    run.doc["fla_dots"] = os.environ.get("K3_FLA_DOTS", "fla")
     gpu_model = cpu_model = None
     if set(sections) & {"drift", "exact", "mutants", "approx"}:
         gpu_model = load_model(None, device="cuda", dtype=torch.bfloat16)

@@ -14,12 +14,12 @@ def slim(item: dict[str, Any]) -> dict[str, Any]:
 
 def summary(doc: dict[str, Any]) -> dict[str, Any]:
     """summary.json of issue 18 item 6 (fields this run did not reach are null)."""
-    sec, env = doc.get("sections", {}), doc.get("environment", {})
+    sec, env = doc.get("sections", {}), doc.get("environment") or {}
     exact = {}
     for v in sec.get("exact", []):
         st = v["status"]
         exact[v["toggle"]] = f"not-exact-on-cuda: {v['reason'].removeprefix('not exact on cuda: ')}" \
-            if st == "not-exact-on-cuda" else st
+            if st == "not-exact-on-cuda" else f"inert-on-cuda: {v['reason']}" if st == "inert-on-cuda" else st
     muts = [m for m in sec.get("exact_mutants", []) + sec.get("approx_mutants", []) if m.get("status") != "skip"]
     inv = sec.get("invariance", [])
     price = sec.get("price", [{}])[0] if sec.get("price") else {}       # the kernel-bound prefill
@@ -50,7 +50,7 @@ def _drift_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def render(doc: dict[str, Any]) -> str:
-    env, sec = doc.get("environment", {}), doc.get("sections", {})
+    env, sec = doc.get("environment") or {}, doc.get("sections", {})
     lines = ["# k3verify GPU exactness run", "",
              f"- device: {env.get('cuda_device')}; torch {env.get('torch')}; cuda {env.get('cuda')}; "
              f"driver {doc.get('driver', '?')}; fla {doc.get('fla', '?')}"]
@@ -73,15 +73,17 @@ def render(doc: dict[str, Any]) -> str:
                 f"{d['top1']:.4f}", _floor_text(d), f"{d['rel_to_max']:.3g}", d["status"]) for d in sec["drift"]])
     if sec.get("fla"):
         table("fla chunk_kda vs fused_recurrent_kda (random inputs, g in (-5, 0))",
-              ("H x K", "T", "output rel", "state rel"),
-              [(f"{f['heads']}x{f['head_dim']}", f["tokens"], f"{f['out_rel']:.2g}", f"{f['state_rel']:.2g}")
+              ("fla dots", "H x K", "T", "output rel", "state rel"),
+              [(f.get("dots", "fla"), f"{f['heads']}x{f['head_dim']}", f["tokens"], f"{f['out_rel']:.2g}",
+                f"{f['state_rel']:.2g}")
                for f in sec["fla"]])
     for key, title in (("exact", "Exact toggles on the GPU reference (bitwise: tokens, logits, KDA state, MLA rows)"),
-                       ("approx", "Approx toggles on CUDA (drift budget)")):
+                       ("approx", "Approx toggles on CUDA (their cuda:bfloat16 budget)"),
+                       ("approx_diagnostic", "Approx toggles, diagnostic lane (not verdicts)")):
         if sec.get(key):
             table(title, ("toggle", "verdict", "why"), [(v["toggle"], v["status"], str(v.get("reason"))[:160])
                                                        for v in sec[key]])
-    for key in ("exact_mutants", "approx_mutants"):
+    for key in ("exact_mutants", "approx_mutants", "approx_mutants_diagnostic"):
         if sec.get(key):
             table(f"Mutants ({key.split('_')[0]} toggles)", ("mutant", "of", "caught", "how"),
                   [(m["toggle"], m.get("mutant_of"), {True: "yes", False: "NO"}.get(m.get("caught"), "not judged"),

@@ -148,8 +148,13 @@ def check_toggle(model, toggle_name: str, scenario, *, localize_failures: bool =
                           findings=findings, evidence=evidence, first_divergence=first,
                           duration_s=time.perf_counter() - t0)
         if not ok and localize_failures:
-            res.localization = _localize(model, toggle.name, scenario, ref,
-                                         first=first or _state_over(evidence, contract))
+            res.localization = _localize(model, toggle.name, scenario, ref, first=first)
+            over = _state_over(evidence, contract)
+            if over and (res.localization or {}).get("component") is None:
+                # no sublayer output differs on either replay: the state alone shows the fault
+                from k3verify.localize import state_only
+                res.localization = {**state_only(model, over, "only the KDA state is over its budget"),
+                                    "request": over["request"]}
         return [unexercised(res, toggle, scenario.name, event_evidence(toggle, cand, grid_in_force(model_device(model))))]
     # a mutant is run to fail: keep its tensors at once instead of re-running it for the findings
     kept = toggle.kind == "mutant"

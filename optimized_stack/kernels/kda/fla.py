@@ -16,7 +16,42 @@ arguments switch in the mutants.
 """
 from __future__ import annotations
 
+import os
+
 import torch
+
+# Where fla's chunk kernels round: `fla` (default) as fla-core ships them: the WY triangular
+# solve's dots explicitly in TF32 (chunk_intra.SOLVE_TRIL_DOT_PRECISION) and Triton's default
+# fp32 dots (TF32 on CUDA) elsewhere; `ieee`: every fp32 dot in IEEE fp32 (the solve's constant
+# patched before the first compile, TRITON_F32_DEFAULT=ieee for the rest). A diagnostic of the
+# chunk kernel's drift (issue 18): set it before fla compiles, with a Triton cache of its own.
+DOTS_ENV = "K3_FLA_DOTS"
+_configured: str | None = None
+
+
+def dots_choice() -> str:
+    value = os.environ.get(DOTS_ENV, "fla").strip().lower() or "fla"
+    if value not in ("fla", "ieee"):
+        from ...errors import K3Error
+        raise K3Error(f"{DOTS_ENV} must be 'fla' or 'ieee', got {value!r}")
+    return value
+
+
+def _configure() -> None:
+    """Apply K3_FLA_DOTS once, before fla's first kernel call in this process."""
+    global _configured
+    choice = dots_choice()
+    if _configured == choice:
+        return
+    if _configured is not None:
+        from ...errors import K3Error
+        raise K3Error(f"{DOTS_ENV} changed from {_configured!r} to {choice!r} after fla compiled")
+    if choice == "ieee":
+        import triton.language as tl
+        os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+        from fla.ops.kda import chunk_intra
+        chunk_intra.SOLVE_TRIL_DOT_PRECISION = tl.constexpr("ieee")
+    _configured = choice
 
 
 def _state_in(state: torch.Tensor | None, transpose: bool) -> torch.Tensor | None:
@@ -30,6 +65,7 @@ def _state_in(state: torch.Tensor | None, transpose: bool) -> torch.Tensor | Non
 
 def fla_chunk(q, k, v, g, beta, initial_state=None, *, _drop_state: bool = False):
     """fla-core chunk_kda (chunks of 64 tokens; a T < 64 call is one padded chunk)."""
+    _configure()
     from fla.ops.kda import chunk_kda
     init = None if _drop_state else _state_in(initial_state, False)
     o, final = chunk_kda(q=q.unsqueeze(0), k=k.unsqueeze(0), v=v.unsqueeze(0),
@@ -40,6 +76,7 @@ def fla_chunk(q, k, v, g, beta, initial_state=None, *, _drop_state: bool = False
 
 def fla_recurrent(q, k, v, g, beta, initial_state=None, *, _transpose_state: bool = False):
     """fla-core fused_recurrent_kda: the whole call in one kernel, state in registers."""
+    _configure()
     from fla.ops.kda import fused_recurrent_kda
     if initial_state is None:
         initial_state = q.new_zeros(q.shape[1], q.shape[2], v.shape[2], dtype=torch.float32)
@@ -60,6 +97,7 @@ def kda_chunk_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     q is already l2-normed and scaled, so scale=1.0 and no in-kernel norm. q, k, v travel
     in io_dtype (bf16 halves the kernel's traffic); g and beta stay fp32.
     """
+    _configure()
     from fla.ops.kda import chunk_kda
 
     o, _ = chunk_kda(q=q.to(io_dtype), k=k.to(io_dtype), v=v.to(io_dtype), g=g.float(),
@@ -71,6 +109,7 @@ def fla_chunk_varlen(q, k, v, g, beta, cu_seqlens: torch.Tensor, initial_state=N
     """chunk_kda over N sequences packed along T: q, k, g [T, H, K], v [T, H, V], beta [T, H],
     cu_seqlens [N+1] int64 (sequence i is rows cu_seqlens[i]:cu_seqlens[i+1]), initial_state
     [N, H, K, V] fp32 or None. Returns (o [T, H, V] fp32, final states [N, H, K, V] fp32)."""
+    _configure()
     from fla.ops.kda import chunk_kda
     init = None if initial_state is None else initial_state.float().contiguous()
     o, final = chunk_kda(q=q.unsqueeze(0), k=k.unsqueeze(0), v=v.unsqueeze(0),
