@@ -33,7 +33,7 @@ LANE2=${LANE2:-prefix_cache,prefix_cache_subblock,ckpt_with_mla_tail}
 LANE3=${LANE3:-projected_kv_cache,host_kv_tier,preemption,preempt_swap}
 LANE4=${LANE4:-shared_expert_side_stream}
 LANE5=${LANE5:-invariance_mini,controls,drift,price,invariance_small,fla}
-LANE6=${LANE6:-kda_chunked,kda_fla_chunk,kda_fla_recurrent,mla_absorbed,mla_sdpa,moe_grouped,moe_grouped_static,gemm_per_shape}
+LANE6=${LANE6:-kda_chunked,kda_fla_chunk,kda_fla_chunk_prefill,kda_fla_recurrent,mla_absorbed,mla_sdpa,moe_grouped,moe_grouped_static,gemm_per_shape}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-3}
 run_lane() {  # tag sections [--only toggles]
   K3VERIFY_WAIT_FOR=${WAIT_FOR-16:/tmp/k3-warm16,128:/tmp/k3-warm128} timeout "${RUN_TIMEOUT_S:-500}" \

@@ -17,7 +17,8 @@ from optimized_stack.kernels.moe.side_stream import moe_forward_side_stream
 from optimized_stack.model.moe import MoE
 from optimized_stack.presets import preset_config
 
-CUDA_TOGGLES = ("kda_fla_chunk", "kda_fla_recurrent", "moe_grouped", "shared_expert_side_stream")
+CUDA_TOGGLES = ("kda_fla_chunk", "kda_fla_chunk_prefill", "kda_fla_recurrent", "moe_grouped",
+                "shared_expert_side_stream")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none)")
 
 

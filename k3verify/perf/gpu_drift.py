@@ -166,3 +166,27 @@ def section_fla(run) -> None:
             run.log(f"fla chunk vs recurrent [{item['dots']}] H={heads} K={dim} T={t_len}: out {item['out_rel']:.2g} "
                     f"state {item['state_rel']:.2g}")
             run.add("fla", item)
+    _fla_decode(run, fla_chunk, fla_recurrent)
+
+
+def _fla_decode(run, fla_chunk, fla_recurrent, heads: int = 4, dim: int = 16, steps: int = 256) -> None:
+    """Decode through chunk_kda (kda_fla_chunk's decode slot) against fused_recurrent_kda, one
+    token per call with the state carried, from the same start state: does chunk_kda's rounding
+    accumulate in the state, step after step? Rows at 1, 16, 64, 256 steps."""
+    gen = torch.Generator().manual_seed(1234)
+    q = (torch.nn.functional.normalize(torch.randn(steps, heads, dim, generator=gen), dim=-1) * dim ** -0.5).cuda()
+    k = torch.nn.functional.normalize(torch.randn(steps, heads, dim, generator=gen), dim=-1).cuda()
+    v = torch.randn(steps, heads, dim, generator=gen).cuda()
+    g = (-5 * torch.sigmoid(torch.randn(steps, heads, dim, generator=gen))).cuda()
+    beta = torch.sigmoid(torch.randn(steps, heads, generator=gen)).cuda()
+    s_c = s_r = (torch.randn(heads, dim, dim, generator=gen) * 0.1).cuda()
+    for t in range(steps):
+        o_c, s_c = fla_chunk(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], s_c)
+        o_r, s_r = fla_recurrent(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], s_r)
+        if t + 1 in (1, 16, 64, 256):
+            item = {"heads": heads, "head_dim": dim, "steps": t + 1, "section": "decode",
+                    "out_rel": float((o_c - o_r).abs().max() / o_r.abs().max()),
+                    "state_rel": float((s_c - s_r).abs().max() / s_r.abs().max())}
+            run.log(f"fla decode through chunk vs recurrent, {t + 1} steps: out {item['out_rel']:.2g} "
+                    f"state {item['state_rel']:.2g}")
+            run.add("fla_decode", item)

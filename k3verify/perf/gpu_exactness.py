@@ -77,7 +77,8 @@ def write_all(out: Path, doc: dict[str, Any]) -> None:
     atomic_write_text(out / "gpu_exactness.md", render(doc))
 
 
-ITEM_KEYS = ("toggle", "model", "scenario", "mode", "heads", "head_dim", "tokens", "dots", "workload", "section")
+ITEM_KEYS = ("toggle", "model", "scenario", "mode", "heads", "head_dim", "tokens", "steps", "dots", "workload",
+             "section")
 
 
 def _item_key(item: dict[str, Any]) -> tuple:
@@ -101,8 +102,9 @@ def merge(paths: list[Path], supersede: bool = False) -> dict[str, Any]:
             doc.setdefault(key, lane.get(key))
         for name, items in lane.get("sections", {}).items():
             have = doc["sections"].setdefault(name, [])
+            earlier = len(have)                      # only an earlier document's items are replaced
             for item in items:
-                same = [i for i, old in enumerate(have) if supersede and _item_key(old) == _item_key(item)]
+                same = [i for i, old in enumerate(have[:earlier]) if supersede and _item_key(old) == _item_key(item)]
                 if same:
                     have[same[0]] = {**item, "superseded_by": tag}
                 else:

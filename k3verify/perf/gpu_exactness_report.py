@@ -77,6 +77,11 @@ def render(doc: dict[str, Any]) -> str:
               [(f.get("dots", "fla"), f"{f['heads']}x{f['head_dim']}", f["tokens"], f"{f['out_rel']:.2g}",
                 f"{f['state_rel']:.2g}")
                for f in sec["fla"]])
+    if sec.get("fla_decode"):
+        table("Decode through chunk_kda vs fused_recurrent_kda, one token per call, state carried",
+              ("H x K", "steps", "last output rel", "state rel"),
+              [(f"{f['heads']}x{f['head_dim']}", f["steps"], f"{f['out_rel']:.2g}", f"{f['state_rel']:.2g}")
+               for f in sec["fla_decode"]])
     for key, title in (("exact", "Exact toggles on the GPU reference (bitwise: tokens, logits, KDA state, MLA rows)"),
                        ("approx", "Approx toggles on CUDA (their cuda:bfloat16 budget)"),
                        ("approx_diagnostic", "Approx toggles, diagnostic lane (not verdicts)")):

@@ -63,14 +63,16 @@ def _state_in(state: torch.Tensor | None, transpose: bool) -> torch.Tensor | Non
     return s.unsqueeze(0).contiguous()
 
 
-def fla_chunk(q, k, v, g, beta, initial_state=None, *, _drop_state: bool = False):
+def fla_chunk(q, k, v, g, beta, initial_state=None, *, _drop_state: bool = False,
+              _beta_sigmoid_again: bool = False):
     """fla-core chunk_kda (chunks of 64 tokens; a T < 64 call is one padded chunk)."""
     _configure()
     from fla.ops.kda import chunk_kda
     init = None if _drop_state else _state_in(initial_state, False)
     o, final = chunk_kda(q=q.unsqueeze(0), k=k.unsqueeze(0), v=v.unsqueeze(0),
                          g=g.float().unsqueeze(0), beta=beta.float().unsqueeze(0), scale=1.0,
-                         initial_state=init, output_final_state=True)
+                         initial_state=init, output_final_state=True,
+                         use_beta_sigmoid_in_kernel=_beta_sigmoid_again)
     return o[0].float(), final[0].float()
 
 

@@ -50,6 +50,16 @@ register(Toggle(
                 "(chunks of 64; a prefill split at a multiple of 64 is bit-identical)",
     ops=both(fla.fla_chunk), phases=("prefill",), events=BOTH))
 
+# How a serving engine uses the two kernels: prompts through chunk_kda in one call (its tail off
+# the 64-token grid included), decode steps through the reference's decode op. kda_fla_chunk
+# also decodes through chunk_kda, one padded chunk per token, and its TF32 WY solve then rounds
+# the state once per generated token (NOTES.md 2026-12-01: the measured cause of its drift).
+register(Toggle(
+    name="kda_fla_chunk_prefill", contract=FLA_KERNEL, touches=("logits", "kda_state"), devices=CUDA,
+    description="KDA prompts through fla-core's chunk_kda in one call (off the 64-token grid too), "
+                "decode steps as the reference does them",
+    ops={"kda_prefill": fla.fla_chunk}, events=("op:kda_prefill",)))
+
 register(Toggle(
     name="kda_fla_recurrent", contract=FLA_RECURRENT, touches=("logits", "kda_state"), devices=CUDA,
     description="KDA through fla-core's fused_recurrent_kda (one kernel per call, the state "
@@ -122,6 +132,14 @@ register(Toggle(
     description="chunk_kda called without the cached initial_state (each call starts from zeros)",
     caught_by=("drift_budget",), lives_in="kda/mixer",
     ops=both(functools.partial(fla.fla_chunk, _drop_state=True)), events=BOTH))
+
+register(Toggle(
+    name="mut_fla_chunk_beta_sigmoid_twice", kind="mutant", mutant_of="kda_fla_chunk_prefill",
+    contract=FLA_KERNEL, touches=("logits", "kda_state"), devices=CUDA,
+    description="chunk_kda told to apply the sigmoid to beta (use_beta_sigmoid_in_kernel) that the "
+                "model already applied: every write strength squashed into (0.5, 0.73)",
+    caught_by=("drift_budget",), lives_in="kda/mixer",
+    ops={"kda_prefill": functools.partial(fla.fla_chunk, _beta_sigmoid_again=True)}, events=("op:kda_prefill",)))
 
 register(Toggle(
     name="mut_fla_recurrent_state_transposed", kind="mutant", mutant_of="kda_fla_recurrent",
