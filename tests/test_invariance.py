@@ -164,3 +164,20 @@ def test_cli_writes_results_and_exits_by_verdict(tmp_path, capsys):
     assert doc["summary"]["invariance"] == "pass" and doc["summary"]["rows"] == 6
     assert "negative control" in (tmp_path / "invariance_t.md").read_text()
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["negative_controls_failed"]
+
+
+def test_an_informational_control_may_hold_a_required_one_may_not():
+    """fla's varlen control differs in some processes and not in others (its tile choice): it is
+    shown, never required; a required control that holds still voids the run."""
+    from k3verify.compare.invariance import INFORMATIONAL_CONTROLS, InvarianceRun
+    from k3verify.perf.gpu_exactness_report import invariance_status
+    row = {"status": "pass"}
+    varlen = {"toggle": INFORMATIONAL_CONTROLS[0], "caught": False, "informational": True}
+    cublas = {"toggle": "control_cublas_fp32_linear", "caught": True}
+    assert InvarianceRun([row], [cublas, varlen]).passed
+    assert not InvarianceRun([row], [{**cublas, "caught": False}, {**varlen, "caught": True}]).passed
+    assert not InvarianceRun([row], [varlen]).passed                       # no required control at all
+    stored = {"status": "fail", "failed_rows": 0, "negative_controls": [cublas, varlen]}
+    assert invariance_status(stored) == "pass"
+    assert invariance_status({**stored, "negative_controls": [{**cublas, "caught": False}, varlen]}) == "fail"
+    assert invariance_status({**stored, "failed_rows": 3}) == "fail"

@@ -498,10 +498,21 @@ def _control_fla_varlen(cases, ms, n, gen, device) -> dict[str, Any] | None:
                 break
         if hit:
             break
-    return _control_row("control_fla_chunk_varlen", "fla chunk_kda over a varlen batch (cu_seqlens) against "
-                        "each sequence alone", hit is not None, hit or f"lengths {tried}", time.perf_counter() - t0)
+    row = _control_row("control_fla_chunk_varlen", "fla chunk_kda over a varlen batch (cu_seqlens) against "
+                       "each sequence alone", hit is not None, hit or f"lengths {tried}", time.perf_counter() - t0)
+    # Informational, not required: on the H200 the same packings differed in some processes and
+    # not in others (2026-12-01: k3-mini caught in one call and not in another, k3-small the
+    # reverse), i.e. whether a packed call's bits differ depends on the tile configs fla's
+    # autotuner picks by timing in that process. The hazard is real (why the reference runs one
+    # request per call); a control that may not fail cannot be required to.
+    row["informational"] = row["toggle"] in INFORMATIONAL_CONTROLS
+    if hit is None:
+        row["reason"] = (f"not caught in this process ({', '.join(map(str, tried))} packed equal each alone): "
+                         "informational, whether it differs depends on fla's per-process tile choice")
+    return row
 
 
+INFORMATIONAL_CONTROLS = ("control_fla_chunk_varlen",)
 VARLEN_PACKINGS = ((100, 64, 37), (37, 100, 64), (1, 129, 31, 65), (200, 13, 7), (300, 300))
 
 
@@ -540,9 +551,15 @@ class InvarianceRun:
         return [c["toggle"] for c in self.controls if c.get("caught")]
 
     @property
+    def required_controls(self) -> list[dict[str, Any]]:
+        """The controls that must fail for the run to pass (an informational one may not)."""
+        return [c for c in self.controls if not c.get("informational")]
+
+    @property
     def passed(self) -> bool:
-        return (bool(self.results) and not self.failures and bool(self.controls)
-                and all(c.get("caught") for c in self.controls))
+        required = self.required_controls
+        return (bool(self.results) and not self.failures and bool(required)
+                and all(c.get("caught") for c in required))
 
     def summary(self) -> dict[str, Any]:
         out = summarize(self.results + self.controls)

@@ -127,6 +127,8 @@ def section_invariance(run: Run, sources: list[tuple[str, str | None]]) -> None:
                 "failed_rows": len(res.failures), "failures": [slim(r) for r in res.failures[:12]],
                 "negative_controls": [slim(c) for c in res.controls],
                 "negative_controls_failed": summ["negative_controls_failed"],
+                "rule": "no row differs and every required control fails (informational: "
+                        f"{', '.join(invariance.INFORMATIONAL_CONTROLS)})",
                 "profile": res.environment.get("profile"), "wall_s": time.perf_counter() - t0}
         run.log(f"invariance {label}: {item['status']}: {item['rows']} rows, {item['failed_rows']} failed; "
                 f"controls failed as they must: {item['negative_controls_failed']}")

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from k3verify.compare.invariance import INFORMATIONAL_CONTROLS
+
 from .gpu_drift import DRIFT_RULE
 
 
@@ -28,13 +30,31 @@ def summary(doc: dict[str, Any]) -> dict[str, Any]:
             "mutants": {"caught": sum(1 for m in muts if m.get("caught")), "total": len(muts),
                         "not_judged": sum(1 for m in sec.get("exact_mutants", []) + sec.get("approx_mutants", [])
                                           if m.get("status") == "skip")},
-            "invariance": {"pass": sum(1 for i in inv if i.get("status") == "pass"),
-                           "fail": sum(1 for i in inv if i.get("status") == "fail"),
-                           "negative_controls_failed": sum(len(i.get("negative_controls_failed", [])) for i in inv)},
+            "invariance": {"pass": sum(1 for i in inv if invariance_status(i) == "pass"),
+                           "fail": sum(1 for i in inv if invariance_status(i) == "fail"),
+                           "negative_controls_failed": sum(len(i.get("negative_controls_failed", [])) for i in inv),
+                           "required_controls": sum(len(_required(i)) for i in inv),
+                           "required_controls_failed": sum(sum(1 for c in _required(i) if c.get("caught"))
+                                                           for i in inv),
+                           "informational_controls": list(INFORMATIONAL_CONTROLS)},
             "price_of_exactness": price.get("price_of_exactness"),
             "price_of_exactness_rows": [{"workload": p["workload"], "ratio": p["price_of_exactness"], "ci95": p["ci95"]}
                                         for p in sec.get("price", [])],
             "drift": _drift_summary(sec.get("drift", []))}
+
+
+def _required(item: dict[str, Any]) -> list[dict[str, Any]]:
+    return [c for c in item.get("negative_controls", []) if c.get("toggle") not in INFORMATIONAL_CONTROLS]
+
+
+def invariance_status(item: dict[str, Any]) -> str:
+    """An invariance row's verdict by compare/invariance.py's rule: no row differs and every
+    required control failed (an informational control may hold; the row shows which did)."""
+    if item.get("status") not in ("pass", "fail"):
+        return item.get("status", "skip")
+    required = _required(item)
+    ok = item.get("failed_rows") == 0 and bool(required) and all(c.get("caught") for c in required)
+    return "pass" if ok else "fail"
 
 
 def _drift_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -61,8 +81,12 @@ def render(doc: dict[str, Any]) -> str:
 
     if sec.get("invariance"):
         table("Batch invariance of the GPU reference profile (every op x shape x M)",
-              ("model", "verdict", "rows", "failed", "negative controls that failed (must)"),
-              [(i["model"], i["status"], i.get("rows"), i.get("failed_rows"), ", ".join(i.get("negative_controls_failed", [])))
+              ("model", "verdict", "rows", "failed", "required controls that failed (must)",
+               "informational controls"),
+              [(i["model"], invariance_status(i), i.get("rows"), i.get("failed_rows"),
+                ", ".join(c["toggle"] for c in _required(i) if c.get("caught")) + f" ({len(_required(i))} required)",
+                ", ".join(f"{c['toggle']}: {'differed' if c.get('caught') else 'equal in this process'}"
+                          for c in i.get("negative_controls", []) if c.get("toggle") in INFORMATIONAL_CONTROLS))
                for i in sec["invariance"]])
     if sec.get("drift"):
         table(f"GPU reference (bf16) vs CPU reference (fp32), teacher-forced; rule {DRIFT_RULE} against the "

@@ -51,9 +51,11 @@ register(Toggle(
     ops=both(fla.fla_chunk), phases=("prefill",), events=BOTH))
 
 # How a serving engine uses the two kernels: prompts through chunk_kda in one call (its tail off
-# the 64-token grid included), decode steps through the reference's decode op. kda_fla_chunk
-# also decodes through chunk_kda, one padded chunk per token, and its TF32 WY solve then rounds
-# the state once per generated token (NOTES.md 2026-12-01: the measured cause of its drift).
+# the 64-token grid included), decode steps through the reference's decode op. Measured on the
+# H200 (NOTES.md 2026-12-01): decoding through chunk_kda (kda_fla_chunk) does not accumulate
+# error (1e-3 of max|state| after 1 and after 256 one-token calls), and both forms fail the bf16
+# budget on `single` alike (mean KL 0.055): one near-tie row of 57 that chunk_kda's rounding
+# flips (KL 3.13 there; torch's default form, also whole-prompt chunk_kda, flips the same).
 register(Toggle(
     name="kda_fla_chunk_prefill", contract=FLA_KERNEL, touches=("logits", "kda_state"), devices=CUDA,
     description="KDA prompts through fla-core's chunk_kda in one call (off the 64-token grid too), "
