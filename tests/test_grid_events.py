@@ -70,13 +70,13 @@ def test_a_set_verdict_does_not_wait_for_an_impossible_event():
 def test_an_inert_toggle_is_judged_bitwise_on_the_grid_but_never_called_a_pass(model):
     """The GPU report's row for a toggle whose own path cannot run on the grid: switched on, the
     run is compared bit for bit (a fault in it would still show), and the status says inert."""
-    from k3verify.perf import gpu_exactness
+    from k3verify.perf import gpu_verdicts
     from k3verify.run.runner import Runner
     with ops.override(kda_prefill=cpu_grid_kda):
         refs = Runner(model)
-        row = gpu_exactness._judge_inert(model, "prefix_cache_subblock", refs, gpu_exactness.GRID_INERT + ": why",
-                                         scale=0.5)
+        row = gpu_verdicts.judge_inert(model, "prefix_cache_subblock", refs, gpu_verdicts.GRID_INERT + ": why",
+                                       scale=0.5)
         # negative control: the same judge on a toggle that changes the bits fails
-        bad = gpu_exactness._judge_inert(model, "mut_restore_skips_conv", refs, "x", scale=0.5)
+        bad = gpu_verdicts.judge_inert(model, "mut_restore_skips_conv", refs, "x", scale=0.5)
     assert row["status"] == "inert-on-cuda" and row["reason"].startswith("why; switched on, bit-identical")
     assert bad["status"] == "fail", bad

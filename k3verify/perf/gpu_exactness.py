@@ -14,11 +14,11 @@ time limit keeps what it measured):
 - fla: fla chunk_kda against fused_recurrent_kda at T around the 64-token grid and head sizes 16
   and 128 (why kda_fla_chunk drifts where it does);
 - exact: every exact world-size-1 toggle judged bitwise against the GPU reference on its default
-  scenarios (verify.judge), then every mutant of those toggles (selftest.judge_one: caught?);
+  scenarios, then every mutant of those toggles: caught? (gpu_verdicts.py);
 - approx: the approx kernel toggles that run on CUDA and their mutants, on the bf16 budget their
   contracts declare for cuda:bfloat16 (optimized_stack/toggles.py BF16_NOISE);
-- price: the same engine workload on the invariant profile and on torch's own forms
-  (K3_GPU_PROFILE=torch), interleaved A/B, ratio with a 95% interval (k3-small, bf16).
+- price: the same workloads on the invariant profile and on torch's own forms
+  (K3_GPU_PROFILE=torch), interleaved A/B, ratio with a 95% interval (k3-small, bf16; gpu_price.py).
 summary.json (issue 18 item 6) is written beside the report at the end of every section.
 """
 from __future__ import annotations
@@ -38,22 +38,14 @@ from optimized_stack import toggles as registry
 
 from k3verify.compare import invariance
 from k3verify.io import atomic_write_json, atomic_write_text
-from k3verify.kinds import selftest as selftest_kind
-from k3verify.kinds.base import Context, Unit
 from k3verify.run.runner import Runner
-from k3verify.scenarios import workloads
-from k3verify.scenarios.chooser import choose
-from k3verify.verdict.gate import check_toggle
 
-from . import gpu_drift
-from .ab import interleaved
-from .gpu_drift import with_profile
+from . import gpu_drift, gpu_price, gpu_verdicts
 from .gpu_exactness_report import render, slim, summary
 from .run_doc import RunDoc
 
 # k3-mini work first (fla's head size 16), then k3-small's (head 128, compiled meanwhile)
 SECTIONS = ("invariance_mini", "controls", "exact", "mutants", "drift", "price", "invariance_small", "approx", "fla")
-SCALE = 0.5                                   # scenario scale of the verdicts (one device call)
 
 
 class Run(RunDoc):
@@ -149,44 +141,18 @@ def section_controls(run: Run) -> None:
         run.add("controls", item)
 
 
-def exact_toggles() -> list[str]:
-    return [t.name for t in registry.all_toggles("optimization")
-            if t.contract.kind == "exact" and 1 in t.world_sizes and ("cuda" in t.devices or "cuda" in t.not_exact_on)]
-
-
-def _judge(model, name: str, runner: Runner) -> list:
-    """The toggle on its default scenarios (scenarios/chooser.py), as `k3verify diff` judges it;
-    a prefix or host-tier toggle on its full-size grid scenarios instead: at SCALE no prompt
-    reaches an aligned checkpoint, so on the grid its path never ran (the events said so)."""
-    toggle = registry.get(name)
-    if name in GRID_SCENARIOS:
-        return [r for sc in GRID_SCENARIOS[name]
-                for r in check_toggle(model, name, workloads.build(sc, scale=1.0), runner=runner)]
-    return [r for sc in choose(toggle).names
-            for r in check_toggle(model, name, workloads.build(sc, scale=SCALE), runner=runner)]
-
-
-def judge_one(model, m, runner: Runner) -> dict[str, Any]:
-    """The selftest's verdict on one toggle or mutant (kinds/selftest.py), as a report row."""
-    unit = Unit("selftest", "selftest", {"scale": SCALE}, toggle=m.name,
-                scenario=choose(m, one=True, scale=SCALE).names[0])
-    ctx = Context(model)
-    ctx._runners[(1, ctx.tp_backend)] = runner       # share the reference captures
-    return selftest_kind.run(unit, ctx)[0].to_dict()
-
-
 def section_exact(run: Run, gpu_model, refs: Runner, only: set[str] | None = None) -> None:
-    names = [n for n in exact_toggles() if only is None or n in only]
+    names = [n for n in gpu_verdicts.exact_toggles() if only is None or n in only]
     for name in names:
         if run.left() < 40:
             run.add("exact", {"toggle": name, "status": "skip", "reason": "time budget spent"})
             continue
         t0 = time.perf_counter()
         try:
-            results = _judge(gpu_model, name, refs)
-            item = _verdict(name, results)
-            if item["status"] == "skip" and item["reason"].startswith(GRID_INERT):
-                item = _judge_inert(gpu_model, name, refs, item["reason"])
+            results = gpu_verdicts.judge(gpu_model, name, refs)
+            item = gpu_verdicts.verdict(name, results)
+            if item["status"] == "skip" and item["reason"].startswith(gpu_verdicts.GRID_INERT):
+                item = gpu_verdicts.judge_inert(gpu_model, name, refs, item["reason"])
         except Exception as exc:                  # a kernel that does not run is a verdict too
             item = {"toggle": name, "status": "error", "reason": f"{type(exc).__name__}: {exc}"[:400]}
         item["wall_s"] = time.perf_counter() - t0
@@ -196,80 +162,8 @@ def section_exact(run: Run, gpu_model, refs: Runner, only: set[str] | None = Non
 
 def section_mutants(run: Run, gpu_model, refs: Runner, only: set[str] | None = None) -> None:
     """Every mutant of the exact toggles (of those in `only`, when given): caught on the GPU?"""
-    of = [n for n in exact_toggles() if only is None or n in only]
+    of = [n for n in gpu_verdicts.exact_toggles() if only is None or n in only]
     _mutants(run, "exact_mutants", gpu_model, refs, of)
-
-
-def _verdict(name: str, results) -> dict[str, Any]:
-    by_sc: dict[str, dict[str, str]] = {}
-    for r in results:
-        by_sc.setdefault(r.scenario, {})[r.check] = r.status
-    bad = [r for r in results if r.status in ("fail", "error")]
-    ran = [r for r in results if r.status == "pass"]
-    if bad:
-        status, reason = "fail", f"{bad[0].scenario}/{bad[0].check}: {bad[0].reason}"
-    elif not ran:
-        reason = results[0].reason if results else "no scenario"
-        status = "not-exact-on-cuda" if reason.startswith("not exact on cuda") else "skip"
-    else:
-        status = "pass"
-        reason = f"bit-identical on {len(by_sc)} scenarios ({sum(1 for r in ran)} checks)"
-    return {"toggle": name, "status": status, "reason": reason, "scenarios": by_sc}
-
-
-# On the 64-token grid prefix hits happen only at aligned checkpoints (engine/store.py), which
-# the selftest's cheapest prefix scenario at half scale never reaches: these mutants are judged on
-# full-size scenarios whose forks and evictions land on the grid, the first that catches counts.
-GRID_SCENARIOS = {"prefix_cache": ("shared_prefix_forks", "multi_turn"),
-                  "prefix_cache_subblock": ("shared_prefix_forks", "multi_turn"),
-                  "ckpt_with_mla_tail": ("shared_prefix_forks", "multi_turn"),
-                  "host_kv_tier": ("eviction",)}
-
-
-GRID_INERT = "not applicable on the 64-token KDA grid"
-
-
-def _judge_inert(model, name: str, refs: Runner, why: str, scale: float = 1.0) -> dict[str, Any]:
-    """A toggle none of whose own paths can run on the grid (a sub-block hit restarts from the
-    aligned checkpoint instead): not a pass, since its code never ran, but still judged bit for
-    bit with it switched on, on its grid scenarios, so that enabling it on CUDA is shown to
-    change nothing. The counters say what ran in its place."""
-    from k3verify.compare.captures import compare_captures
-    from k3verify.scenarios.answers import realized
-    checks, failed, fired = 0, [], {}
-    for sc_name in GRID_SCENARIOS.get(name, ("shared_prefix_forks",)):
-        sc = realized(model, workloads.build(sc_name, scale=scale))
-        cand = refs.run(sc, (name,))
-        for check, v in compare_captures(refs.reference(sc), cand, sc.name).items():
-            checks += 1
-            if not v["equal"]:
-                failed.append(f"{sc_name}/{check}: {v['reason']}")
-        for event, n in cand.events.items():
-            fired[event] = fired.get(event, 0) + int(n)
-    if failed:
-        return {"toggle": name, "status": "fail", "reason": "; ".join(failed)[:400], "events": fired}
-    ran = ", ".join(f"{e}={n}" for e, n in sorted(fired.items()) if e.startswith("prefix_") or e == "checkpoint_saved")
-    return {"toggle": name, "status": "inert-on-cuda",
-            "reason": f"{why.removeprefix(GRID_INERT + ': ')}; switched on, bit-identical on "
-                      f"{len(GRID_SCENARIOS.get(name, ('shared_prefix_forks',)))} full-scale grid scenarios ({checks} "
-                      f"checks; in its place: {ran or 'nothing'})", "events": fired}
-
-
-def _judge_on_grid(model, refs, m, scenarios: tuple[str, ...]) -> dict[str, Any]:
-    tried = []
-    for name in scenarios:
-        sc = workloads.build(name, scale=1.0)
-        results = check_toggle(model, m.name, sc, runner=refs, localize_failures=False)
-        if results and all(r.status == "skip" for r in results):      # e.g. its path cannot run on the grid
-            return {"toggle": m.name, "status": "skip", "scenario": name, "reason": results[0].reason}
-        failed = {r.check for r in results if r.status == "fail"}
-        tried.append(f"{name}: {sorted(failed) or 'nothing failed'}")
-        if failed & set(m.caught_by):
-            return {"toggle": m.name, "status": "pass", "scenario": name,
-                    "reason": f"caught by {', '.join(sorted(failed & set(m.caught_by)))} on {name} (full scale)"}
-    return {"toggle": m.name, "status": "fail", "scenario": ",".join(scenarios),
-            "reason": "not caught on the grid scenarios (" + "; ".join(tried) + "): its path is not reached on the "
-                      "64-token grid, where hits need aligned checkpoints"}
 
 
 def _mutants(run: Run, section: str, model, refs, of: list[str]) -> None:
@@ -282,10 +176,10 @@ def _mutants(run: Run, section: str, model, refs, of: list[str]) -> None:
             continue
         t0 = time.perf_counter()
         try:
-            if m.mutant_of in GRID_SCENARIOS:
-                item = _judge_on_grid(model, refs, m, GRID_SCENARIOS[m.mutant_of])
+            if m.mutant_of in gpu_verdicts.GRID_SCENARIOS:
+                item = gpu_verdicts.judge_on_grid(model, refs, m, gpu_verdicts.GRID_SCENARIOS[m.mutant_of])
             else:
-                item = slim(judge_one(model, m, refs))
+                item = slim(gpu_verdicts.judge_one(model, m, refs))
         except Exception as exc:
             item = {"toggle": m.name, "status": "error", "reason": f"{type(exc).__name__}: {exc}"[:400]}
         status = item.get("status")
@@ -311,7 +205,7 @@ def section_approx(run: Run, gpu_model, refs: Runner, only: set[str] | None = No
             continue
         t0 = time.perf_counter()
         try:
-            results = _judge(gpu_model, name, refs)
+            results = gpu_verdicts.judge(gpu_model, name, refs)
             bad = [r for r in results if r.status in ("fail", "error")]
             worst = max((r.evidence.get("kl_max", 0.0) for r in results if r.evidence), default=None)
             worst_mean = max((r.evidence.get("kl_mean", 0.0) for r in results if r.evidence), default=None)
@@ -329,52 +223,6 @@ def section_approx(run: Run, gpu_model, refs: Runner, only: set[str] | None = No
             item["note"] = note
         run.add(section, item)
     _mutants(run, mut_section, gpu_model, refs, names)
-
-
-def section_price(run: Run, model_src: str = "k3-small", repeats: int = 5) -> None:
-    """Two workloads: one 4096-token prefill (kernel-bound: the profile's GEMMs, norms, attention
-    and grid KDA against cuBLAS / torch / SDPA / whole-call chunk_kda), and the engine on a
-    multi-request workload (dispatch-bound on today's per-request engine: issue 20)."""
-    from optimized_stack.engine import Engine, EngineOptions, SamplingParams
-    model = load_model(model_src, device="cuda", dtype=torch.bfloat16)
-    ids = torch.randint(0, model.config.vocab_size, (4096,), generator=torch.Generator().manual_seed(0))
-
-    def prefill() -> None:
-        model.logits(ids)
-        torch.cuda.synchronize()
-
-    ab = interleaved(lambda: with_profile("torch", prefill), lambda: with_profile("invariant", prefill),
-                     repeats=repeats, tokens=4096, labels=("torch defaults", "invariant profile"))
-    _price_row(run, model_src, "prefill 4096 tokens, one request, bf16", repeats, ab)
-    sc = workloads.build("multi_length", scale=1.0)
-    tokens = sum(r.max_new_tokens for r in sc.requests)
-
-    def engine_run() -> None:
-        eng = Engine(model, EngineOptions(continuous_batching=True, chunked_prefill=True, token_budget=512,
-                                          max_num_seqs=8))
-        for r in sc.requests:
-            eng.add_request(list(r.prompt_ids), SamplingParams(max_new_tokens=r.max_new_tokens, ignore_eos=True),
-                            request_id=r.request_id)
-        eng.run()
-        torch.cuda.synchronize()
-
-    ab = interleaved(lambda: with_profile("torch", engine_run), lambda: with_profile("invariant", engine_run),
-                     repeats=3, tokens=tokens, labels=("torch defaults", "invariant profile"))
-    _price_row(run, model_src, f"{sc.name}: {len(sc.requests)} requests through the engine, continuous batching "
-                               f"+ chunked prefill (budget 512), bf16", 3, ab)
-
-
-def _price_row(run: Run, model_src: str, workload: str, repeats: int, ab) -> None:
-    mid = len(ab.times_a) // 2
-    item = {"model": model_src, "workload": workload, "repeats": repeats,
-            "seconds_torch": ab.times_a, "seconds_invariant": ab.times_b,
-            # > 1: the invariant profile is slower by this factor
-            "price_of_exactness": 1.0 / ab.ratio, "ci95": [1.0 / ab.ci_high, 1.0 / ab.ci_low],
-            "tokens_per_s_torch": ab.tokens / sorted(ab.times_a)[mid],
-            "tokens_per_s_invariant": ab.tokens / sorted(ab.times_b)[mid]}
-    run.log(f"price of exactness ({model_src}, {workload}): {item['price_of_exactness']:.3f}x "
-            f"[{item['ci95'][0]:.3f}, {item['ci95'][1]:.3f}]")
-    run.add("price", item)
 
 
 def _wait(run: Run, spec: str, tag: str, limit_s: float = 150.0) -> None:
@@ -446,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
              "exact": lambda: section_exact(run, gpu_model, refs, only),
              "mutants": lambda: section_mutants(run, gpu_model, refs, only),
              "approx": lambda: section_approx(run, gpu_model, refs, only),
-             "price": lambda: section_price(run)}
+             "price": lambda: gpu_price.section_price(run)}
     if sections and sections[0] in ("invariance_mini", "controls", "drift", "exact", "mutants", "approx"):
         _wait(run, wait_for, "16")
     for name in SECTIONS:

@@ -1,0 +1,116 @@
+"""How the GPU exactness run judges one toggle or mutant on the GPU reference: the exact
+toggles' default scenarios (as `k3verify diff` picks them), the full-size grid scenarios of the
+prefix and host-tier toggles, a toggle whose own path cannot run on the 64-token grid (judged
+switched on, reported inert, never a pass), and a mutant (caught?)."""
+from __future__ import annotations
+
+from typing import Any
+
+from optimized_stack import toggles as registry
+
+from k3verify.kinds import selftest as selftest_kind
+from k3verify.kinds.base import Context, Unit
+from k3verify.run.runner import Runner
+from k3verify.scenarios import workloads
+from k3verify.scenarios.chooser import choose
+from k3verify.verdict.gate import check_toggle
+
+SCALE = 0.5                                   # scenario scale of the verdicts (one device call)
+
+
+def exact_toggles() -> list[str]:
+    return [t.name for t in registry.all_toggles("optimization")
+            if t.contract.kind == "exact" and 1 in t.world_sizes and ("cuda" in t.devices or "cuda" in t.not_exact_on)]
+
+
+def judge(model, name: str, runner: Runner) -> list:
+    """The toggle on its default scenarios (scenarios/chooser.py), as `k3verify diff` judges it;
+    a prefix or host-tier toggle on its full-size grid scenarios instead: at SCALE no prompt
+    reaches an aligned checkpoint, so on the grid its path never ran (the events said so)."""
+    toggle = registry.get(name)
+    if name in GRID_SCENARIOS:
+        return [r for sc in GRID_SCENARIOS[name]
+                for r in check_toggle(model, name, workloads.build(sc, scale=1.0), runner=runner)]
+    return [r for sc in choose(toggle).names
+            for r in check_toggle(model, name, workloads.build(sc, scale=SCALE), runner=runner)]
+
+
+def judge_one(model, m, runner: Runner) -> dict[str, Any]:
+    """The selftest's verdict on one toggle or mutant (kinds/selftest.py), as a report row."""
+    unit = Unit("selftest", "selftest", {"scale": SCALE}, toggle=m.name,
+                scenario=choose(m, one=True, scale=SCALE).names[0])
+    ctx = Context(model)
+    ctx._runners[(1, ctx.tp_backend)] = runner       # share the reference captures
+    return selftest_kind.run(unit, ctx)[0].to_dict()
+
+
+def verdict(name: str, results) -> dict[str, Any]:
+    by_sc: dict[str, dict[str, str]] = {}
+    for r in results:
+        by_sc.setdefault(r.scenario, {})[r.check] = r.status
+    bad = [r for r in results if r.status in ("fail", "error")]
+    ran = [r for r in results if r.status == "pass"]
+    if bad:
+        status, reason = "fail", f"{bad[0].scenario}/{bad[0].check}: {bad[0].reason}"
+    elif not ran:
+        reason = results[0].reason if results else "no scenario"
+        status = "not-exact-on-cuda" if reason.startswith("not exact on cuda") else "skip"
+    else:
+        status = "pass"
+        reason = f"bit-identical on {len(by_sc)} scenarios ({sum(1 for r in ran)} checks)"
+    return {"toggle": name, "status": status, "reason": reason, "scenarios": by_sc}
+
+
+# On the 64-token grid prefix hits happen only at aligned checkpoints (engine/store.py), which
+# the selftest's cheapest prefix scenario at half scale never reaches: these mutants are judged on
+# full-size scenarios whose forks and evictions land on the grid, the first that catches counts.
+GRID_SCENARIOS = {"prefix_cache": ("shared_prefix_forks", "multi_turn"),
+                  "prefix_cache_subblock": ("shared_prefix_forks", "multi_turn"),
+                  "ckpt_with_mla_tail": ("shared_prefix_forks", "multi_turn"),
+                  "host_kv_tier": ("eviction",)}
+
+
+GRID_INERT = "not applicable on the 64-token KDA grid"
+
+
+def judge_inert(model, name: str, refs: Runner, why: str, scale: float = 1.0) -> dict[str, Any]:
+    """A toggle none of whose own paths can run on the grid (a sub-block hit restarts from the
+    aligned checkpoint instead): not a pass, since its code never ran, but still judged bit for
+    bit with it switched on, on its grid scenarios, so that enabling it on CUDA is shown to
+    change nothing. The counters say what ran in its place."""
+    from k3verify.compare.captures import compare_captures
+    from k3verify.scenarios.answers import realized
+    checks, failed, fired = 0, [], {}
+    for sc_name in GRID_SCENARIOS.get(name, ("shared_prefix_forks",)):
+        sc = realized(model, workloads.build(sc_name, scale=scale))
+        cand = refs.run(sc, (name,))
+        for check, v in compare_captures(refs.reference(sc), cand, sc.name).items():
+            checks += 1
+            if not v["equal"]:
+                failed.append(f"{sc_name}/{check}: {v['reason']}")
+        for event, n in cand.events.items():
+            fired[event] = fired.get(event, 0) + int(n)
+    if failed:
+        return {"toggle": name, "status": "fail", "reason": "; ".join(failed)[:400], "events": fired}
+    ran = ", ".join(f"{e}={n}" for e, n in sorted(fired.items()) if e.startswith("prefix_") or e == "checkpoint_saved")
+    return {"toggle": name, "status": "inert-on-cuda",
+            "reason": f"{why.removeprefix(GRID_INERT + ': ')}; switched on, bit-identical on "
+                      f"{len(GRID_SCENARIOS.get(name, ('shared_prefix_forks',)))} full-scale grid scenarios ({checks} "
+                      f"checks; in its place: {ran or 'nothing'})", "events": fired}
+
+
+def judge_on_grid(model, refs, m, scenarios: tuple[str, ...]) -> dict[str, Any]:
+    tried = []
+    for name in scenarios:
+        sc = workloads.build(name, scale=1.0)
+        results = check_toggle(model, m.name, sc, runner=refs, localize_failures=False)
+        if results and all(r.status == "skip" for r in results):      # e.g. its path cannot run on the grid
+            return {"toggle": m.name, "status": "skip", "scenario": name, "reason": results[0].reason}
+        failed = {r.check for r in results if r.status == "fail"}
+        tried.append(f"{name}: {sorted(failed) or 'nothing failed'}")
+        if failed & set(m.caught_by):
+            return {"toggle": m.name, "status": "pass", "scenario": name,
+                    "reason": f"caught by {', '.join(sorted(failed & set(m.caught_by)))} on {name} (full scale)"}
+    return {"toggle": m.name, "status": "fail", "scenario": ",".join(scenarios),
+            "reason": "not caught on the grid scenarios (" + "; ".join(tried) + "): its path is not reached on the "
+                      "64-token grid, where hits need aligned checkpoints"}
