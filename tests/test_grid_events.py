@@ -5,7 +5,9 @@ a hit over generated tokens and a checkpoint with an MLA tail cannot happen ther
 (optimized_stack/events.py OFF_GRID_IMPOSSIBLE; the H200 run of 2026-12-01 reported every prefix
 toggle "bit-identical" with none of these paths run). A verdict on the grid neither waits for
 those events nor passes without the others; a toggle all of whose events are impossible there is
-a skip that says so, never a pass. The negative controls are the same checks off the grid.
+still run (switched on it must change no bit) and reads `not exercised ... inert`, never a pass;
+a mutant like it is a skip (it cannot be caught where its path cannot run). The negative
+controls are the same checks off the grid.
 """
 from __future__ import annotations
 
@@ -24,16 +26,26 @@ def test_impossible_events_exist_only_on_a_grid():
     assert impossible(declared, None) == {}                        # negative control: off the grid
 
 
-def test_a_toggle_whose_every_event_is_impossible_on_the_grid_is_a_skip_there(model):
+def test_a_toggle_whose_every_event_is_impossible_on_the_grid_is_run_and_reads_not_exercised(model):
     sc = workloads.build("single", scale=0.5)
     with ops.override(kda_prefill=cpu_grid_kda):
         on_grid = check_toggle(model, "ckpt_with_mla_tail", sc, localize_failures=False)
-    assert on_grid and all(r.status == "skip" for r in on_grid), [r.status for r in on_grid]
-    assert "not applicable on the 64-token KDA grid" in on_grid[0].reason
+    # it ran (switched on, every check compared) and is never a pass: its own code cannot run there
+    assert on_grid and {r.status for r in on_grid} == {"not_exercised"}, [r.status for r in on_grid]
+    assert "can fire on the 64-token KDA grid" in on_grid[0].reason and on_grid[0].reason.endswith(
+        "it is inert here")
+    assert on_grid[0].reason.startswith("bit-identical")
     # off the grid the same toggle on the same scenario runs, and with none of its events is not exercised
     off_grid = check_toggle(model, "ckpt_with_mla_tail", sc, localize_failures=False)
     assert {r.status for r in off_grid} == {"not_exercised"}, [(r.status, r.reason) for r in off_grid]
-    assert "prefix_hit_tail_ckpt" in off_grid[0].reason
+    assert "prefix_hit_tail_ckpt" in off_grid[0].reason and "inert" not in off_grid[0].reason
+
+
+def test_a_mutant_whose_path_cannot_run_on_the_grid_is_a_skip_there(model):
+    sc = workloads.build("single", scale=0.5)
+    with ops.override(kda_prefill=cpu_grid_kda):
+        on_grid = check_toggle(model, "mut_tail_one_short", sc, localize_failures=False)
+    assert {r.status for r in on_grid} == {"skip"} and "not applicable on the 64-token KDA grid" in on_grid[0].reason
 
 
 def test_on_the_grid_a_verdict_names_only_the_events_that_could_fire(model):
@@ -47,11 +59,11 @@ def test_on_the_grid_a_verdict_names_only_the_events_that_could_fire(model):
     assert "prefix_hit_on_generated" in off.evidence["events_missing"]          # negative control
 
 
-def test_the_sub_block_toggle_is_a_skip_on_the_grid_and_runs_off_it(model):
+def test_the_sub_block_toggle_is_inert_on_the_grid_and_runs_off_it(model):
     sc = workloads.build("single", scale=0.5)
     with ops.override(kda_prefill=cpu_grid_kda):
         on_grid = check_toggle(model, "prefix_cache_subblock", sc, localize_failures=False)
-    assert {r.status for r in on_grid} == {"skip"} and "KDA grid" in on_grid[0].reason
+    assert {r.status for r in on_grid} == {"not_exercised"} and "KDA grid" in on_grid[0].reason
     off_grid = check_toggle(model, "prefix_cache_subblock", sc, localize_failures=False)
     assert {r.status for r in off_grid} == {"not_exercised"}
 
@@ -69,14 +81,19 @@ def test_a_set_verdict_does_not_wait_for_an_impossible_event():
 
 def test_an_inert_toggle_is_judged_bitwise_on_the_grid_but_never_called_a_pass(model):
     """The GPU report's row for a toggle whose own path cannot run on the grid: switched on, the
-    run is compared bit for bit (a fault in it would still show), and the status says inert."""
+    run is compared bit for bit (a fault in it still fails), and the status says inert."""
     from k3verify.perf import gpu_verdicts
     from k3verify.run.runner import Runner
+    sc = workloads.build("shared_prefix_forks", scale=0.5)
     with ops.override(kda_prefill=cpu_grid_kda):
         refs = Runner(model)
-        row = gpu_verdicts.judge_inert(model, "prefix_cache_subblock", refs, gpu_verdicts.GRID_INERT + ": why",
-                                       scale=0.5)
-        # negative control: the same judge on a toggle that changes the bits fails
-        bad = gpu_verdicts.judge_inert(model, "mut_restore_skips_conv", refs, "x", scale=0.5)
-    assert row["status"] == "inert-on-cuda" and row["reason"].startswith("why; switched on, bit-identical")
+        results = check_toggle(model, "prefix_cache_subblock", sc, runner=refs, localize_failures=False)
+        row = gpu_verdicts.verdict("prefix_cache_subblock", results)
+        # negative control: the same judging of a run that changes the bits fails
+        bad = gpu_verdicts.verdict("mut_restore_skips_conv",
+                                   check_toggle(model, "mut_restore_skips_conv", sc, runner=refs,
+                                                localize_failures=False))
+    assert row["status"] == "inert-on-cuda", row
+    assert "switched on, bit-identical on 1 grid scenarios (4 checks" in row["reason"]
+    assert "prefix_hit_block=" in row["reason"]
     assert bad["status"] == "fail", bad

@@ -151,8 +151,6 @@ def section_exact(run: Run, gpu_model, refs: Runner, only: set[str] | None = Non
         try:
             results = gpu_verdicts.judge(gpu_model, name, refs)
             item = gpu_verdicts.verdict(name, results)
-            if item["status"] == "skip" and item["reason"].startswith(gpu_verdicts.GRID_INERT):
-                item = gpu_verdicts.judge_inert(gpu_model, name, refs, item["reason"])
         except Exception as exc:                  # a kernel that does not run is a verdict too
             item = {"toggle": name, "status": "error", "reason": f"{type(exc).__name__}: {exc}"[:400]}
         item["wall_s"] = time.perf_counter() - t0

@@ -52,6 +52,17 @@ def verdict(name: str, results) -> dict[str, Any]:
     ran = [r for r in results if r.status == "pass"]
     if bad:
         status, reason = "fail", f"{bad[0].scenario}/{bad[0].check}: {bad[0].reason}"
+    elif results and all(r.status == "not_exercised" and r.reason.endswith(INERT) for r in results):
+        # switched on, bit-identical everywhere, with none of its own paths able to run (gate.py)
+        why = results[0].reason.split("KDA grid (", 1)[-1].rsplit("): ", 1)[0]
+        fired = {}
+        for r in results:
+            for event, n in (r.evidence.get("counters") or {}).items():
+                fired[event] = max(fired.get(event, 0), int(n))
+        ran_instead = ", ".join(f"{e}={n}" for e, n in sorted(fired.items()) if e.startswith("prefix_hit"))
+        status = "inert-on-cuda"
+        reason = (f"{why}; switched on, bit-identical on {len(by_sc)} grid scenarios ({len(results)} checks; "
+                  f"in its place: {ran_instead or 'no prefix hit'})")
     elif not ran:
         reason = results[0].reason if results else "no scenario"
         status = "not-exact-on-cuda" if reason.startswith("not exact on cuda") else "skip"
@@ -70,33 +81,7 @@ GRID_SCENARIOS = {"prefix_cache": ("shared_prefix_forks", "multi_turn"),
                   "host_kv_tier": ("eviction",)}
 
 
-GRID_INERT = "not applicable on the 64-token KDA grid"
-
-
-def judge_inert(model, name: str, refs: Runner, why: str, scale: float = 1.0) -> dict[str, Any]:
-    """A toggle none of whose own paths can run on the grid (a sub-block hit restarts from the
-    aligned checkpoint instead): not a pass, since its code never ran, but still judged bit for
-    bit with it switched on, on its grid scenarios, so that enabling it on CUDA is shown to
-    change nothing. The counters say what ran in its place."""
-    from k3verify.compare.captures import compare_captures
-    from k3verify.scenarios.answers import realized
-    checks, failed, fired = 0, [], {}
-    for sc_name in GRID_SCENARIOS.get(name, ("shared_prefix_forks",)):
-        sc = realized(model, workloads.build(sc_name, scale=scale))
-        cand = refs.run(sc, (name,))
-        for check, v in compare_captures(refs.reference(sc), cand, sc.name).items():
-            checks += 1
-            if not v["equal"]:
-                failed.append(f"{sc_name}/{check}: {v['reason']}")
-        for event, n in cand.events.items():
-            fired[event] = fired.get(event, 0) + int(n)
-    if failed:
-        return {"toggle": name, "status": "fail", "reason": "; ".join(failed)[:400], "events": fired}
-    ran = ", ".join(f"{e}={n}" for e, n in sorted(fired.items()) if e.startswith("prefix_") or e == "checkpoint_saved")
-    return {"toggle": name, "status": "inert-on-cuda",
-            "reason": f"{why.removeprefix(GRID_INERT + ': ')}; switched on, bit-identical on "
-                      f"{len(GRID_SCENARIOS.get(name, ('shared_prefix_forks',)))} full-scale grid scenarios ({checks} "
-                      f"checks; in its place: {ran or 'nothing'})", "events": fired}
+INERT = "it is inert here"                   # the end of gate.unexercised's reason for such a toggle
 
 
 def judge_on_grid(model, refs, m, scenarios: tuple[str, ...]) -> dict[str, Any]:

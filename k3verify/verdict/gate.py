@@ -50,7 +50,9 @@ def applies(toggle, scenario, device: str = "cpu", world_size: int = 1) -> str |
     if world_size not in toggle.world_sizes:
         return f"toggle runs at world size {', '.join(map(str, toggle.world_sizes))}, not {world_size}"
     cannot = impossible_events(toggle.events, grid_in_force(device))
-    if toggle.events and len(cannot) == len(toggle.events):
+    if toggle.kind == "mutant" and toggle.events and len(cannot) == len(toggle.events):
+        # a seeded fault whose path cannot run here cannot be caught here; an optimization
+        # like it is still run (switched on it must change no bit) and reads `not exercised`
         return f"not applicable on the 64-token KDA grid: {next(iter(cannot.values()))}"
     if toggle.scenario_tags and not set(toggle.scenario_tags) & set(scenario.tags):
         return f"toggle applies to scenarios tagged {', '.join(toggle.scenario_tags)}"
@@ -107,6 +109,15 @@ def unexercised(result: Result, toggle, scenario_name: str, evidence: dict) -> R
     """A held check on a scenario where a declared event never fired -> `not exercised`."""
     result.evidence.update(evidence)
     miss = evidence["events_missing"]
+    cannot = evidence.get("events_impossible") or {}
+    if result.status == "pass" and toggle.events and len(cannot) == len(toggle.events):
+        # none of its own paths can run on this grid (a sub-block hit restarts from the aligned
+        # checkpoint instead): the run shows that switching it on changes nothing, not that it works
+        return Result.not_exercised(
+            result.subject, result.check, f"{result.reason or 'held'} with it switched on, but none of its "
+            f"declared events can fire on the 64-token KDA grid ({next(iter(cannot.values()))}): it is inert "
+            "here", scenario=result.scenario, findings=result.findings, duration_s=result.duration_s,
+            evidence=result.evidence)
     if result.status != "pass" or not miss:
         return result
     return Result.not_exercised(
