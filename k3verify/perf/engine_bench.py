@@ -52,29 +52,40 @@ def make_workload(seed: int, sessions: int, turns: int, system_len: int, turn_le
                     SamplingParams(max_new_tokens=max_new, ignore_eos=True))
 
 
-def drive(model, wl: Workload, opts: EngineOptions) -> tuple[float, dict, Engine]:
-    """Run the closed-loop workload; returns (seconds, {rid: tokens}, engine)."""
-    eng = Engine(model, opts)
+def run_sessions(eng: Engine, wl: Workload, *, on_submit=None, on_finish=None) -> None:
+    """The closed loop: every session's first turn, then as each turn finishes the session's next
+    turn on its real history (and after turn 0 its fork), until nothing is left.
+    on_submit(rid) / on_finish(rid) let a caller time requests."""
     prompts: dict[str, list[int]] = {}
 
     def submit(rid: str, prompt: list[int]) -> None:
         prompts[rid] = prompt
+        if on_submit is not None:
+            on_submit(rid)
         eng.add_request(prompt, wl.params, request_id=rid, arrival_step=eng.step_index)
     for s, turns in enumerate(wl.sessions):
         submit(f"s{s}t0", wl.system + turns[0])
-    t0 = time.perf_counter()
     while eng.has_unfinished():
         for out in eng.step():
             if not out.finished:
                 continue
             rid = out.request_id
+            if on_finish is not None:
+                on_finish(rid)
             history = prompts[rid] + eng.results[rid].tokens
-            if rid.startswith("s") and "f" not in rid:
+            if "f" not in rid:
                 s, t = (int(x) for x in rid[1:].split("t"))
                 if t + 1 < len(wl.sessions[s]):
                     submit(f"s{s}t{t + 1}", history + wl.sessions[s][t + 1])
                 if t == 0:
                     submit(f"s{s}f", history + wl.forks[s])
+
+
+def drive(model, wl: Workload, opts: EngineOptions) -> tuple[float, dict, Engine]:
+    """Run the closed-loop workload; returns (seconds, {rid: tokens}, engine)."""
+    eng = Engine(model, opts)
+    t0 = time.perf_counter()
+    run_sessions(eng, wl)
     dt = time.perf_counter() - t0
     return dt, {rid: r.tokens for rid, r in eng.results.items()}, eng
 

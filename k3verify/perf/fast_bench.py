@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from optimized_stack import load_model, toggles
-from .engine_bench import make_workload
+from .engine_bench import make_workload, run_sessions
 from optimized_stack.engine.engine import Engine, EngineObserver
 from optimized_stack.engine.options import EngineOptions, SamplingParams
 from .fast_bench_setup import Donor, cache_tokens_for, decode_step_bytes, hbm_copy_bandwidth, seeded_engine, sync
@@ -268,28 +268,13 @@ def agentic_run(model, names: tuple[str, ...], concurrency: int, args) -> dict[s
                                         "token_budget": args.agentic_budget})
         eng = Engine(model, opts)
         started: dict[str, float] = {}
-        prompts: dict[str, list[int]] = {}
+        user_rates: list[float] = []
 
-        def submit(rid: str, prompt: list[int]) -> None:
-            prompts[rid], started[rid] = prompt, time.perf_counter()
-            eng.add_request(prompt, wl.params, request_id=rid, arrival_step=eng.step_index)
-        for s, turns in enumerate(wl.sessions):
-            submit(f"s{s}t0", wl.system + turns[0])
-        user_rates = []
+        def finished(rid: str) -> None:
+            user_rates.append(len(eng.results[rid].tokens) / (time.perf_counter() - started[rid]))
         t0 = time.perf_counter()
-        while eng.has_unfinished():
-            for o in eng.step():
-                if not o.finished:
-                    continue
-                rid = o.request_id
-                user_rates.append(len(eng.results[rid].tokens) / (time.perf_counter() - started[rid]))
-                history = prompts[rid] + eng.results[rid].tokens
-                if "f" not in rid:
-                    s, t = (int(x) for x in rid[1:].split("t"))
-                    if t + 1 < len(wl.sessions[s]):
-                        submit(f"s{s}t{t + 1}", history + wl.sessions[s][t + 1])
-                    if t == 0:
-                        submit(f"s{s}f", history + wl.forks[s])
+        run_sessions(eng, wl, on_submit=lambda rid: started.__setitem__(rid, time.perf_counter()),
+                     on_finish=finished)
         sync()
         secs = time.perf_counter() - t0
     m = eng.metrics
