@@ -145,19 +145,25 @@ def _layers(run, cpu_model, gpu_model) -> None:
                                             for p in points if p["sublayer"] in ("mixer", "ffn", "logits")))
 
 
+def _random_kda(seed: int, t_len: int, heads: int, dim: int) -> tuple[torch.Tensor, ...]:
+    """q (l2-normed, scaled), k (l2-normed), v, g in (-5, 0) (the model's gate range), beta in
+    (0, 1) and a start state, on the GPU."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.nn.functional.normalize(torch.randn(t_len, heads, dim, generator=gen), dim=-1) * dim ** -0.5
+    k = torch.nn.functional.normalize(torch.randn(t_len, heads, dim, generator=gen), dim=-1)
+    v = torch.randn(t_len, heads, dim, generator=gen)
+    g = -5 * torch.sigmoid(torch.randn(t_len, heads, dim, generator=gen))
+    beta = torch.sigmoid(torch.randn(t_len, heads, generator=gen))
+    s0 = torch.randn(heads, dim, dim, generator=gen) * 0.1
+    return tuple(t.cuda() for t in (q, k, v, g, beta, s0))
+
+
 def section_fla(run) -> None:
     """chunk_kda vs fused_recurrent_kda on random inputs with the model's gate range."""
     from optimized_stack.kernels.kda.fla import dots_choice, fla_chunk, fla_recurrent
     for heads, dim in ((4, 16), (8, 128)):
         for t_len in (1, 31, 63, 64, 65, 127, 128, 129):
-            gen = torch.Generator().manual_seed(t_len * 31 + dim)
-            x = torch.randn(t_len, heads, dim, generator=gen)
-            q = (torch.nn.functional.normalize(x, dim=-1) * dim ** -0.5).cuda()
-            k = torch.nn.functional.normalize(torch.randn(t_len, heads, dim, generator=gen), dim=-1).cuda()
-            v = torch.randn(t_len, heads, dim, generator=gen).cuda()
-            g = (-5 * torch.sigmoid(torch.randn(t_len, heads, dim, generator=gen))).cuda()
-            beta = torch.sigmoid(torch.randn(t_len, heads, generator=gen)).cuda()
-            s0 = (torch.randn(heads, dim, dim, generator=gen) * 0.1).cuda()
+            q, k, v, g, beta, s0 = _random_kda(t_len * 31 + dim, t_len, heads, dim)
             oc, sc_ = fla_chunk(q, k, v, g, beta, s0)
             orr, sr = fla_recurrent(q, k, v, g, beta, s0)
             item = {"heads": heads, "head_dim": dim, "tokens": t_len, "dots": dots_choice(),
@@ -173,13 +179,8 @@ def _fla_decode(run, fla_chunk, fla_recurrent, heads: int = 4, dim: int = 16, st
     """Decode through chunk_kda (kda_fla_chunk's decode slot) against fused_recurrent_kda, one
     token per call with the state carried, from the same start state: does chunk_kda's rounding
     accumulate in the state, step after step? Rows at 1, 16, 64, 256 steps."""
-    gen = torch.Generator().manual_seed(1234)
-    q = (torch.nn.functional.normalize(torch.randn(steps, heads, dim, generator=gen), dim=-1) * dim ** -0.5).cuda()
-    k = torch.nn.functional.normalize(torch.randn(steps, heads, dim, generator=gen), dim=-1).cuda()
-    v = torch.randn(steps, heads, dim, generator=gen).cuda()
-    g = (-5 * torch.sigmoid(torch.randn(steps, heads, dim, generator=gen))).cuda()
-    beta = torch.sigmoid(torch.randn(steps, heads, generator=gen)).cuda()
-    s_c = s_r = (torch.randn(heads, dim, dim, generator=gen) * 0.1).cuda()
+    q, k, v, g, beta, s_c = _random_kda(1234, steps, heads, dim)
+    s_r = s_c
     for t in range(steps):
         o_c, s_c = fla_chunk(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], s_c)
         o_r, s_r = fla_recurrent(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], s_r)
