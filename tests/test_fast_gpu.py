@@ -16,6 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from peer_fixtures import random_kda_inputs
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the H200 run: scripts/gpu_engine_bench.sh)")]
 
@@ -23,14 +25,10 @@ OPTS = dict(continuous_batching=True, projected_kv_cache=True, batched_decode=Tr
 
 
 def _kda_inputs(b, h, k, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.nn.functional.normalize(torch.randn(b, h, k, generator=g), dim=-1) * k ** -0.5
-    kk = torch.nn.functional.normalize(torch.randn(b, h, k, generator=g), dim=-1)
-    v = torch.randn(b, h, k, generator=g)
-    gate = -5 * torch.sigmoid(torch.randn(b, h, k, generator=g))
-    beta = torch.sigmoid(torch.randn(b, h, generator=g))
-    pool = torch.randn(b + 5, h, k, k, generator=g)
-    return [t.cuda() for t in (q, kk, v, gate, beta, pool)]
+    """One decode row per request and a state pool with 5 spare slots, on the GPU."""
+    x = random_kda_inputs(seed, b, h, k, k, with_state=False)
+    pool = torch.randn(b + 5, h, k, k, generator=torch.Generator().manual_seed(seed + 1))
+    return [t.cuda() for t in (x.q, x.k, x.v, x.g, x.beta, pool)]
 
 
 @pytest.mark.parametrize("form", ["inplace", "gather"])

@@ -21,6 +21,7 @@ from optimized_stack.engine.fast.paged_attention import paged_attention_cpu
 from optimized_stack.model import ops
 from optimized_stack.model.kda import causal_conv, kda_recurrent
 from optimized_stack.model.mla import blocked_attention
+from peer_fixtures import random_kda_inputs
 from optimized_stack.model.moe import MoE
 from model_fixtures import model  # noqa: F401  (the module-scoped k3-mini fixture)
 
@@ -55,13 +56,9 @@ def test_conv_step_equals_causal_conv_per_request():
 
 @pytest.mark.parametrize("b,h,k", [(1, 4, 16), (7, 4, 16), (33, 8, 128)], ids=["B1-K16", "B7-K16", "B33-K128"])
 def test_recurrent_step_equals_kda_recurrent_per_request(threads, b, h, k):
-    g = torch.Generator().manual_seed(b)
-    q = torch.nn.functional.normalize(torch.randn(b, h, k, generator=g), dim=-1) * k ** -0.5
-    kk = torch.nn.functional.normalize(torch.randn(b, h, k, generator=g), dim=-1)
-    v = torch.randn(b, h, k, generator=g)
-    gate = -5 * torch.sigmoid(torch.randn(b, h, k, generator=g))
-    beta = torch.sigmoid(torch.randn(b, h, generator=g))
-    state = torch.randn(b, h, k, k, generator=g)
+    x = random_kda_inputs(b, b, h, k, k, with_state=False)       # one row per request
+    q, kk, v, gate, beta = x.q, x.k, x.v, x.g, x.beta
+    state = torch.randn(b, h, k, k, generator=torch.Generator().manual_seed(b + 1))
     o, new = recurrent_step(q, kk, v, gate, beta, state)
     for i in range(b):
         o_ref, s_ref = kda_recurrent(q[i:i + 1], kk[i:i + 1], v[i:i + 1], gate[i:i + 1], beta[i:i + 1], state[i])
