@@ -52,9 +52,9 @@ def verdict(name: str, results) -> dict[str, Any]:
     ran = [r for r in results if r.status == "pass"]
     if bad:
         status, reason = "fail", f"{bad[0].scenario}/{bad[0].check}: {bad[0].reason}"
-    elif results and all(r.status == "not_exercised" and r.reason.endswith(INERT) for r in results):
+    elif results and all(r.status == "not_exercised" and _inert(name, r) for r in results):
         # switched on, bit-identical everywhere, with none of its own paths able to run (gate.py)
-        why = results[0].reason.split("KDA grid (", 1)[-1].rsplit("): ", 1)[0]
+        why = next(iter(results[0].evidence["events_impossible"].values()))
         fired = {}
         for r in results:
             for event, n in (r.evidence.get("counters") or {}).items():
@@ -81,7 +81,10 @@ GRID_SCENARIOS = {"prefix_cache": ("shared_prefix_forks", "multi_turn"),
                   "host_kv_tier": ("eviction",)}
 
 
-INERT = "it is inert here"                   # the end of gate.unexercised's reason for such a toggle
+def _inert(name: str, result) -> bool:
+    """Every event the toggle declares is impossible on this grid (gate.unexercised's inert case)."""
+    declared = registry.get(name).events
+    return bool(declared) and set(declared) <= set(result.evidence.get("events_impossible") or {})
 
 
 def judge_on_grid(model, refs, m, scenarios: tuple[str, ...]) -> dict[str, Any]:
