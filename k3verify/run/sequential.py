@@ -185,6 +185,9 @@ def _run_engine(model, scenario, engine_opts: dict[str, Any], observers, force,
              if k in valid and not isinstance(engine_opts.get(k), bool)}
     opts = EngineOptions(**{**engine_opts, **hints})
     engine = Engine(model, opts, observers=list(observers))
+    for ob in observers:
+        if hasattr(ob, "attach"):       # an observer that reads the engine itself (localize_engine)
+            ob.attach(engine)
     for r in _ordered(scenario):
         for ob in observers:
             if hasattr(ob, "on_request"):

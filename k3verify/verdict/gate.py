@@ -41,7 +41,7 @@ def model_device(model) -> str:
     return next(model.parameters()).device.type
 
 
-def applies(toggle, scenario, device: str = "cpu", world_size: int = 1) -> str | None:
+def applies(toggle, scenario, device: str = "cpu", world_size: int = 1, config=None) -> str | None:
     """None if the toggle applies to the scenario here; else the reason it does not."""
     if device not in toggle.devices:
         return f"toggle runs on {', '.join(toggle.devices)}, not {device}"
@@ -49,11 +49,11 @@ def applies(toggle, scenario, device: str = "cpu", world_size: int = 1) -> str |
         return f"not exact on {device}: {toggle.not_exact_on[device]}"
     if world_size not in toggle.world_sizes:
         return f"toggle runs at world size {', '.join(map(str, toggle.world_sizes))}, not {world_size}"
-    cannot = impossible_events(toggle.events, grid_in_force(device))
+    cannot = impossible_events(toggle.events, grid_in_force(device), config)
     if toggle.kind == "mutant" and toggle.events and len(cannot) == len(toggle.events):
         # a seeded fault whose path cannot run here cannot be caught here; an optimization
         # like it is still run (switched on it must change no bit) and reads `not exercised`
-        return f"not applicable on the 64-token KDA grid: {next(iter(cannot.values()))}"
+        return f"not applicable {next(iter(cannot.values()))}"
     if toggle.scenario_tags and not set(toggle.scenario_tags) & set(scenario.tags):
         return f"toggle applies to scenarios tagged {', '.join(toggle.scenario_tags)}"
     return None
@@ -90,11 +90,11 @@ def drift_verdict(ref: Capture, cand: Capture, contract) -> tuple[bool, str, lis
 REUSE_KEYS = ("prompt_tokens", "reusable_tokens", "prefix_hit_tokens", "hit_rate")
 
 
-def event_evidence(toggle, cand: Capture, grid: int | None = None) -> dict:
+def event_evidence(toggle, cand: Capture, grid: int | None = None, config=None) -> dict:
     """The counters a verdict shows: declared events with their counts, the missing ones (of those
     that can fire on this KDA grid), every counter that fired, and the engine's reuse statistics
     (theoretical vs achieved)."""
-    cannot = impossible_events(toggle.events, grid)
+    cannot = impossible_events(toggle.events, grid, config)
     ev = {"events": {e: int(cand.events.get(e, 0)) for e in toggle.events},
           "events_missing": missing_events([e for e in toggle.events if e not in cannot], cand.events),
           "counters": dict(sorted(cand.events.items()))}
@@ -123,7 +123,7 @@ def unexercised(result: Result, toggle, scenario_name: str, evidence: dict) -> R
     return Result.not_exercised(
         result.subject, result.check, f"{result.reason or 'held'}, but {', '.join(miss)} never fired on "
         f"{scenario_name} ({len(toggle.events) - len(miss)}/{len(toggle.events)} declared events"
-        + (f"; {', '.join(evidence['events_impossible'])} cannot fire on the KDA grid" if evidence.get("events_impossible")
+        + (f"; {', '.join(evidence['events_impossible'])} cannot fire here" if evidence.get("events_impossible")
            else "") + "): the toggle's path did not run", scenario=result.scenario, findings=result.findings,
         duration_s=result.duration_s, evidence=result.evidence)
 
@@ -136,7 +136,8 @@ def check_toggle(model, toggle_name: str, scenario, *, localize_failures: bool =
     # the budget for this device and dtype (bf16 on CUDA is held to bf16's noise, not fp32's)
     contract = toggle.contract.for_run(model_device(model), next(model.parameters()).dtype)
     subject = Subject.of(toggle.name)
-    skip = applies(toggle, scenario, device=model_device(model), world_size=runner.world_size)
+    skip = applies(toggle, scenario, device=model_device(model), world_size=runner.world_size,
+                   config=model.config)
     if skip:
         checks = EXACT_CHECKS if contract.kind == "exact" else ("drift_budget",)
         return [Result.skipped(subject, c, skip, scenario=scenario.name) for c in checks]
@@ -166,7 +167,7 @@ def check_toggle(model, toggle_name: str, scenario, *, localize_failures: bool =
                 from k3verify.localize import state_only
                 res.localization = {**state_only(model, over, "only the KDA state is over its budget"),
                                     "request": over["request"]}
-        return [unexercised(res, toggle, scenario.name, event_evidence(toggle, cand, grid_in_force(model_device(model))))]
+        return [unexercised(res, toggle, scenario.name, event_evidence(toggle, cand, grid_in_force(model_device(model)), model.config))]
     # a mutant is run to fail: keep its tensors at once instead of re-running it for the findings
     kept = toggle.kind == "mutant"
     cand = runner.run(scenario, (toggle.name,), keep=kept)
@@ -181,7 +182,7 @@ def check_toggle(model, toggle_name: str, scenario, *, localize_failures: bool =
     state_first = next((verdicts[c]["first"] for c in ("kda_state", "mla_rows") if c in failing),
                        verdicts[failing[0]]["first"] if failing else None)
     loc = _localize(model, toggle.name, scenario, ref, first=state_first) if failing and localize_failures else None
-    evidence = event_evidence(toggle, cand, grid_in_force(model_device(model)))
+    evidence = event_evidence(toggle, cand, grid_in_force(model_device(model)), model.config)
     results = []
     for check in EXACT_CHECKS:
         v = verdicts[check]
@@ -213,6 +214,12 @@ def _state_over(evidence: dict, contract) -> dict | None:
 
 def _localize(model, toggle_name: str, scenario, ref: Capture, first: dict | None = None) -> dict | None:
     from k3verify.localize import localize_request
+    if toggle_registry.get(toggle_name).engine:
+        # an engine fault lives outside the model: trace the engine's own computations
+        from k3verify.localize_engine import localize_engine
+        found = localize_engine(model, toggle_name, scenario, ref)
+        if found is not None:
+            return found
     rid = (first or {}).get("request") or next(iter(ref.requests))
     r = ref.requests[rid]
     spec = next(x for x in scenario.requests if x.request_id == rid)

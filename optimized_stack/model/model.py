@@ -31,6 +31,7 @@ from ..errors import K3Error
 from .ops import OPS, rms_norm
 
 Probe = Callable[[int, str, torch.Tensor], None]
+SegmentProbe = Callable[[list], None]      # [(ids [T], RequestState)] at the start of a forward_batch
 
 
 @dataclass
@@ -103,6 +104,7 @@ class K3Model(nn.Module):
         self.model = Model(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._probes: list[Probe] = []
+        self._segment_probes: list[SegmentProbe] = []
 
     # ---- state ------------------------------------------------------------------------
     @property
@@ -127,6 +129,17 @@ class K3Model(nn.Module):
             yield
         finally:
             self._probes.remove(fn)
+
+    @contextlib.contextmanager
+    def segment_probe(self, fn: "SegmentProbe") -> Iterator[None]:
+        """Attach fn(segments) for the block: called at the start of every forward_batch with
+        [(ids [T_i], state)] before anything runs, so a probe can read the states each call
+        starts from and map the concatenated rows its other probes see back to segments."""
+        self._segment_probes.append(fn)
+        try:
+            yield
+        finally:
+            self._segment_probes.remove(fn)
 
     def _emit(self, layer: int, name: str, t: torch.Tensor) -> None:
         for fn in self._probes:
@@ -158,6 +171,8 @@ class K3Model(nn.Module):
         states = [st for _, st in segments]
         if len({id(st) for st in states}) != len(states):
             raise K3Error("forward_batch: each segment needs its own RequestState, got one twice")
+        for fn in self._segment_probes:
+            fn(list(zip(ids_list, states)))
         bounds, start = [], 0
         for ids in ids_list:
             bounds.append((start, start + ids.shape[0]))

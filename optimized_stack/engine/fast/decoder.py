@@ -24,6 +24,7 @@ from ...errors import K3Error
 from .batch import build_meta, padded_size
 from .decode_step import DecodeStep
 from .graphs import GraphRunner
+from .kda_step import value_tiles
 
 
 @dataclass
@@ -53,8 +54,9 @@ class FastDecoder:
 
     def split(self, plan) -> tuple[list, list]:
         """plan -> (the plain one-token decodes this path runs, everything else). Nothing is taken
-        while a probe is attached to the model (the fast step emits none)."""
-        if self.model._probes:
+        while a probe is attached to the model (the fast step emits none), unless the probe says
+        it watches forward_batch rows only (`fast_path_ok`: the engine trace of localize_engine)."""
+        if any(not getattr(p, "fast_path_ok", False) for p in self.model._probes):
             return [], list(plan)
         fast, rest = [], []
         for req, n in plan:
@@ -87,6 +89,8 @@ class FastDecoder:
         s.rows += len(reqs)
         s.padded_rows += size - len(reqs)
         self.events.fire("fast_decode_rows", len(reqs))
+        if value_tiles(self.model.config.kda_head_dim) > 1 and "kda" in self.model.config.layer_kinds:
+            self.events.fire("fast_kda_value_tiles", len(reqs))
         if size > len(reqs):
             self.events.fire("fast_padded_rows", size - len(reqs))
         return rows, tokens
