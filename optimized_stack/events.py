@@ -52,6 +52,8 @@ EVENTS = {
     "fast_decode_rows": "a request's decode row ran in the batched decode step (FastDecoder.run)",
     "fast_padded_rows": "the batched decode step ran padding rows up to the ladder size (FastDecoder.run)",
     "graph_replay": "the batched decode step was replayed from a captured CUDA graph (FastDecoder._forward)",
+    "fast_kda_value_tiles": "a decode row's KDA recurrence ran more than one 64-wide value tile in the batched "
+                            "step (FastDecoder.run; only where the value head is > 64)",
     # k3verify/run/sequential.py (the verifier's runner-level toggles)
     "prompt_via_step_api": "a prompt was fed through the step API in more than one call",
     "state_roundtrip": "a request's state was serialised to bytes and restored",
@@ -78,9 +80,27 @@ OFF_GRID_IMPOSSIBLE = {
 }
 
 
-def impossible(declared: tuple[str, ...] | list[str], grid: int | None) -> dict[str, str]:
-    """The declared events that cannot fire on this KDA grid (none off the grid), with why."""
-    return {e: OFF_GRID_IMPOSSIBLE[e] for e in declared if grid and e in OFF_GRID_IMPOSSIBLE}
+# Events that fire only at some model dims: a loop over 64-wide head-dim tiles (as the GPU kernels
+# tile) has a second trip only where the head is wider than one tile. event -> (the config field,
+# the width it must exceed). A mutant all of whose events are here does not apply to such a model
+# (it is judged on one whose dims run its code, e.g. k3-dims), so it is never a silent "caught".
+DIMS_NEEDED = {
+    "fast_kda_value_tiles": ("kda_head_dim", 64),
+}
+
+
+def impossible(declared: tuple[str, ...] | list[str], grid: int | None, config=None) -> dict[str, str]:
+    """The declared events that cannot fire on this KDA grid (none off the grid) or at this model's
+    dims (`config`, a K3Config), with why."""
+    out = {e: "on the 64-token KDA grid: " + OFF_GRID_IMPOSSIBLE[e]
+           for e in declared if grid and e in OFF_GRID_IMPOSSIBLE}
+    for e in declared:
+        if config is not None and e in DIMS_NEEDED:
+            field, width = DIMS_NEEDED[e]
+            if getattr(config, field) <= width:
+                out[e] = (f"at this model's dims: {field} {getattr(config, field)} <= {width}, one tile, "
+                          f"so the code for the tiles after the first never runs (judge it on k3-dims)")
+    return out
 
 
 def check_name(name: str, slots: list[str], owner: str) -> None:

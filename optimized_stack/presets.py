@@ -43,6 +43,17 @@ PRESETS: dict[str, K3Config] = {
         num_experts_per_token=2, num_shared_experts=2, moe_intermediate_size=32,
         routed_expert_hidden_size=64, attn_res_block_size=4,
         bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID),
+    # K3's head dims in a CPU-sized model (~4M params): KDA heads of 128, MLA with K3's q_lora 192,
+    # kv_lora 512, nope 128, rope 64, v 128. Exact verdicts at the dims that run: a fault in a loop
+    # over head-dim tiles (64 wide, as the GPU kernels tile) never runs at k3-mini's 16 and runs here.
+    "k3-dims": K3Config(
+        variant="k3", vocab_size=BYTE_VOCAB, hidden_size=256, num_layers=5,
+        layer_kinds=_kinds(5, [4, 5]), kda_num_heads=2, kda_head_dim=128,
+        num_heads=2, q_lora_rank=192, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, first_k_dense_replace=1, intermediate_size=128, num_experts=8,
+        num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=64,
+        routed_expert_hidden_size=128, attn_res_block_size=2,
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID),
     # GPU model (~280M params) with K3's MLA head dims.
     "k3-small": K3Config(
         variant="k3", vocab_size=32768, hidden_size=768, num_layers=13,

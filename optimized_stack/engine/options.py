@@ -43,6 +43,8 @@ FAULTS = {
                                  "not the scratch block",
     "mut_fast_conv_wrong_row": "the batched decode step stores request i's conv window from request i+1's input",
     "mut_graph_stale_input": "a replayed CUDA graph reads last replay's token ids (the input copy is skipped)",
+    "mut_fast_kda_stale_value_tiles": "the batched decode step writes back only the first 64-wide value tile "
+                                      "of each KDA state (inert while the value head is <= 64)",
 }
 
 # option -> the option it needs (one line errors name both). The one source of these rules:

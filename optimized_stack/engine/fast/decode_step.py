@@ -64,6 +64,7 @@ class DecodeStep:
         self.tables = BlockTables(pool.slots + pool.spare, self.spare_slot, mla.num_blocks,
                                   mla.num_blocks, model.device)
         self.conv_wrong_row = "mut_fast_conv_wrong_row" in opts.faults
+        self.stale_value_tiles = "mut_fast_kda_stale_value_tiles" in opts.faults
 
     # ---- capturability -------------------------------------------------------------------
     def capturable(self) -> str | None:
@@ -109,7 +110,8 @@ class DecodeStep:
         pos, kda_slot, table_slot = self._batch
         if layer.kind == KDA:
             return kda_decode(layer.self_attn, x, self.kda[layer.index], kda_slot,
-                              conv_wrong_row=self.conv_wrong_row)
+                              conv_wrong_row=self.conv_wrong_row,
+                              stale_value_tiles=self.stale_value_tiles)
         return mla_decode(layer.self_attn, x, self.mla[layer.index], self.tables.tables, table_slot, pos)
 
     def _plain_stack(self, h: torch.Tensor) -> torch.Tensor:

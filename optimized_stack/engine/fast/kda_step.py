@@ -58,10 +58,33 @@ def conv_step(x: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, weight: 
     return y
 
 
+# The value axis runs in 64-wide tiles, as fla's fused_recurrent_kda runs one program per value
+# tile on the GPU: a tile's working set is [B, H, K, 64] whatever V is. Every value column's
+# recurrence is its own (its reductions run over K), so tiles give the untiled bits
+# (tests/test_fast_parts.py). A value head of <= 64 (k3-mini's 16) is one tile: the code for the
+# tiles after the first runs only at K3's dims (v 128), which is why exact verdicts run there too.
+V_TILE = 64
+
+
+def value_tiles(v_dim: int) -> int:
+    return -(-v_dim // V_TILE)
+
+
 def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                    state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """kda_recurrent for one token of B requests: q, k, g [B, H, K], v [B, H, V], beta [B, H],
-    state [B, H, K, V] fp32 -> (o [B, H, V] fp32, new state [B, H, K, V] fp32)."""
+    state [B, H, K, V] fp32 -> (o [B, H, V] fp32, new state [B, H, K, V] fp32), V in V_TILE tiles."""
+    v_dim = v.shape[-1]
+    if v_dim <= V_TILE:
+        return _recurrent_tile(q, k, v, g, beta, state)
+    tiles = [_recurrent_tile(q, k, v[..., a:a + V_TILE], g, beta, state[..., a:a + V_TILE])
+             for a in range(0, v_dim, V_TILE)]
+    return torch.cat([o for o, _ in tiles], -1), torch.cat([st for _, st in tiles], -1)
+
+
+def _recurrent_tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One value tile: v [B, H, Vt], state [B, H, K, Vt] -> (o [B, H, Vt], state [B, H, K, Vt])."""
     q, k, v, g, beta = q.float(), k.float(), v.float(), g.float(), beta.float()
     state = state.float() * exp(g).unsqueeze(-1)                      # decay first
     kv = (state * k.unsqueeze(-1)).sum(2)                             # S^T k   [B, H, V]
@@ -101,10 +124,11 @@ def _batched_reference(x: torch.Tensor) -> bool:
 
 
 def kda_decode(layer: KDAttention, x: torch.Tensor, pools: dict[str, torch.Tensor], slots: torch.Tensor,
-               *, conv_wrong_row: bool = False) -> torch.Tensor:
+               *, conv_wrong_row: bool = False, stale_value_tiles: bool = False) -> torch.Tensor:
     """KDAttention.forward for one token of each of B requests: x [B, D] -> [B, D]; the request
     states live in `pools` (recurrent [P, H, K, V] fp32, conv_q/k/v [P, W-1, C]) at `slots` [B]
-    and are advanced in place."""
+    and are advanced in place. `stale_value_tiles` is the seeded fault mut_fast_kda_stale_value_tiles
+    (the value tiles after the first are not written back: inert while V <= V_TILE)."""
     cfg = layer.cfg
     h, kd = cfg.kda_num_heads, cfg.kda_head_dim
     lin = OPS.linear
@@ -119,6 +143,8 @@ def kda_decode(layer: KDAttention, x: torch.Tensor, pools: dict[str, torch.Tenso
     v = v.float()
     g, beta = layer.gates(x)
     pool = pools["recurrent"]
+    # the seeded fault keeps the old state of every value tile after the first
+    stale = pool.index_select(0, slots)[..., V_TILE:].clone() if stale_value_tiles else None
     if not _batched_reference(x):
         o = _one_by_one(q, k, v, g, beta, pool, slots)
     elif x.is_cuda:
@@ -126,6 +152,8 @@ def kda_decode(layer: KDAttention, x: torch.Tensor, pools: dict[str, torch.Tenso
     else:
         o, new = recurrent_step(q, k, v, g, beta, pool.index_select(0, slots))
         pool.index_copy_(0, slots, new)
+    if stale is not None and stale.numel():
+        pool[slots, ..., V_TILE:] = stale
     return layer.output(x, o)
 
 
@@ -141,4 +169,4 @@ def _one_by_one(q, k, v, g, beta, pool: torch.Tensor, slots: torch.Tensor) -> to
     return torch.cat(outs)
 
 
-__all__ = ["KDAState", "conv_step", "kda_decode", "recurrent_step", "fast_kda_choice"]
+__all__ = ["KDAState", "V_TILE", "conv_step", "kda_decode", "recurrent_step", "fast_kda_choice", "value_tiles"]

@@ -55,6 +55,9 @@ _mut("mut_fast_pad_shares_table", "batched_decode", "padding rows of the batched
      BATCHED, ("logits", "mla_rows"), "mla/cache", ("fast_padded_rows",))
 _mut("mut_fast_conv_wrong_row", "batched_decode", "the batched decode step stores request i's conv "
      "window from request i+1's input", BATCHED, ("kda_state", "logits"), "kda/conv", ("fast_decode_rows",))
+_mut("mut_fast_kda_stale_value_tiles", "batched_decode", "the batched decode step writes back only the first "
+     "64-wide value tile of each KDA state (the real-dims fault class: inert at k3-mini's value head of 16, "
+     "wrong at K3's 128)", BATCHED, ("kda_state", "logits"), "kda/recurrent", ("fast_kda_value_tiles",))
 _mut("mut_graph_stale_input", "cuda_graphs", "a replayed CUDA graph reads the token ids of its first "
      "replay (the copy into the static input is skipped)", GRAPHS, ("logits", "tokens"), "engine/graphs",
      ("graph_replay",), devices=CUDA)
