@@ -39,7 +39,7 @@ from k3verify.serving.http import (ClientGone, JobStream, collect, error_body, e
 from k3verify.serving.validation import (CHAT_PARAMS, COMPLETION_PARAMS, RequestError, ServeLimits, _fail,
                                          check_context, check_known_params, check_messages, check_response_format,
                                          check_sampling, check_stop, check_stream, check_tool_choice, check_tools,
-                                         parse_json_object)
+                                         parse_json_object, type_name)
 from k3verify.serving.worker import GenerationWorker, JobCancelled
 from optimized_stack.errors import K3Error
 
@@ -63,6 +63,8 @@ def create_app(backend: TextBackend, tokenizer, model_name: str = "k3-mini", enf
     async def read_json(request: Request, allowed: frozenset | None = None) -> dict:
         body = parse_json_object(await read_body(request, limits.max_body_bytes), limits.max_json_depth)
         model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise RequestError(f"model: expected a string; got {type_name(model)}", "model")
         if model is not None and model != model_name:
             raise RequestError(f"model {model!r} is not served here; this server serves {model_name!r}", "model", 404)
         if allowed is not None:
