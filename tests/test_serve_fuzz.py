@@ -334,6 +334,11 @@ NAMED = {
     "temperature-huge-int": ("/v1/completions", {"prompt": "a", "temperature": 10**400},
                              r"^temperature must be a number of reasonable size"),
     "model-list": ("/v1/completions", {"prompt": "a", "model": []}, r"^model: expected a string; got array$"),
+    "tool-unknown-key": ("/v1/chat/completions", {"messages": HI, "tools": [
+        {"type": "function", "function": {"name": "get_weather", "strict": True, "paramters": {}}}]},
+        r"^tools\[0\]\.function: unknown key 'paramters'; accepted: description, name, parameters, strict$"),
+    "echo-zero": ("/v1/completions", {"prompt": "a", "echo": 0}, r"^echo is not supported by this server"),
+    "best-of-true": ("/v1/completions", {"prompt": "a", "best_of": True}, r"^best_of must be 1"),
 }
 
 
@@ -344,6 +349,17 @@ def test_named_fault_case_gets_400_naming_the_field(client, name):
     assert r.status_code == 400, f"{name}: HTTP {r.status_code}: {r.text[:300]}"
     message = r.json()["error"]["message"]
     assert "\n" not in message and re.search(match, message), f"{name}: {message!r} does not match {match!r}"
+
+
+def test_the_deepest_schema_the_body_limit_admits_is_served(client):
+    # 30 nested objects is 62 JSON levels in the body: past validation, into the constraint program
+    schema = {"type": "string"}
+    for _ in range(30):
+        schema = {"type": "object", "properties": {"a": schema}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "deep", "schema": schema}}
+    r = client.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 400, "response_format": fmt})
+    assert r.status_code == 200, r.text[:300]
+    assert json.loads(r.json()["choices"][0]["message"]["content"])["a"]["a"]["a"], "the answer must follow the schema"
 
 
 def test_not_json_nan_and_huge_numbers_get_400(client):

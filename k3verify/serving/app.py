@@ -214,8 +214,8 @@ def create_app(backend: TextBackend, tokenizer, model_name: str = "k3-mini", enf
                                      or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
             _fail(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] for completions, got {logprobs!r}",
                   "logprobs")
-        if body.get("echo"):
-            _fail("echo is not supported by this server", "echo")
+        if body.get("echo") is not None and body["echo"] is not False:  # `in (None, False)` would let 0 through
+            _fail("echo is not supported by this server; send false or omit it", "echo")
         params = check_sampling(body, enforce_contract, logprobs, (tokenizer.eos_id,))
         check_context(len(prompt_ids), params.max_tokens, limits, "prompt")
         gen = Generation(backend, tokenizer, prompt_ids, params, None, stops)

@@ -28,6 +28,7 @@ MAX_NEW_TOKENS = 4096
 MAX_TOOLS = 128
 MAX_STOP = 5           # K3: at most 5 stop sequences ...
 MAX_STOP_BYTES = 32    # ... each at most 32 bytes
+FUNCTION_KEYS = frozenset({"name", "description", "parameters", "strict"})  # OpenAI's function object
 TOOL_NAME_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_-]{2,63}$")  # K3's tool-name rule
 DEFAULT_MAX_TOKENS = 256
 
@@ -124,7 +125,7 @@ def check_neutral(body: dict) -> None:
     """Accepted fields this server does not act on: only values that ask for nothing pass."""
     if body.get("logit_bias") not in (None, {}):
         _fail("logit_bias is not supported by this server; send null or {}", "logit_bias")
-    if body.get("best_of") not in (None, 1):
+    if body.get("best_of") is not None and (type(body["best_of"]) is not int or body["best_of"] != 1):
         _fail(f"best_of must be 1 (one sample per request), got {body['best_of']!r}", "best_of")
     if body.get("suffix") not in (None, ""):
         _fail("suffix (insertion) is not supported by this server", "suffix")
@@ -236,7 +237,14 @@ def check_tools(tools, where: str) -> list[dict]:
         at = f"{where}[{i}]"
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
             _fail(f"{at} must be {{'type': 'function', 'function': {{...}}}}, got {tool!r}", at)
+        extra = sorted(set(tool) - {"type", "function"}) or sorted(set(tool["function"]) - FUNCTION_KEYS)
+        if extra:
+            where = at if extra[0] in tool else f"{at}.function"
+            _fail(f"{where}: unknown key {extra[0]!r}; accepted: "
+                  f"{'type, function' if where == at else ', '.join(sorted(FUNCTION_KEYS))}", f"{where}.{extra[0]}")
         fn = tool["function"]
+        if "strict" in fn and not isinstance(fn["strict"], bool):
+            _fail(f"{at}.function.strict: expected a boolean; got {type_name(fn['strict'])}", f"{at}.function.strict")
         name = fn.get("name")
         if not isinstance(name, str) or not TOOL_NAME_RE.match(name):
             _fail(f"{at}.function.name must match {TOOL_NAME_RE.pattern}, got {name!r}", at)
@@ -317,6 +325,12 @@ def check_response_format(fmt) -> tuple[str, dict | None]:
     spec = fmt.get("json_schema")
     if not isinstance(spec, dict):
         _fail("response_format json_schema needs a json_schema object with name and schema", "response_format")
+    extra = sorted(set(spec) - {"name", "description", "schema", "strict"})
+    if extra:
+        _fail(f"response_format.json_schema: unknown key {extra[0]!r}; accepted: description, name, schema, strict",
+              f"response_format.json_schema.{extra[0]}")
+    if not isinstance(spec.get("strict", False), bool) or not isinstance(spec.get("description", ""), str):
+        _fail("response_format.json_schema: strict must be a boolean and description a string", "response_format")
     if not isinstance(spec.get("name"), str) or not re.match(r"^[a-zA-Z0-9_-]{1,64}$", spec["name"]):
         _fail(f"response_format.json_schema.name must match ^[a-zA-Z0-9_-]{{1,64}}$, got {spec.get('name')!r}",
               "response_format")
