@@ -296,8 +296,10 @@ NAMED = {
                    r"^seed: expected an integer in \[0, 2\*\*63\); got 9223372036854775808$"),
     "seed-2**64-sampled": ("/v1/completions", {"prompt": "a", "seed": 2**64, "temperature": 1.0},
                            r"^seed: expected an integer in \[0, 2\*\*63\)"),
-    "seed-negative": ("/v1/completions", {"prompt": "a", "seed": -1}, r"^seed: expected an integer in \[0, 2\*\*63\); got -1"),
-    "seed-bool": ("/v1/completions", {"prompt": "a", "seed": True}, r"^seed: expected an integer in \[0, 2\*\*63\); got boolean"),
+    "seed-negative": ("/v1/completions", {"prompt": "a", "seed": -1},
+                      r"^seed: expected an integer in \[0, 2\*\*63\); got -1"),
+    "seed-bool": ("/v1/completions", {"prompt": "a", "seed": True},
+                  r"^seed: expected an integer in \[0, 2\*\*63\); got boolean"),
     "role-list": ("/v1/chat/completions", {"messages": [{"role": [], "content": "x"}]},
                   r"^messages\[0\]\.role: expected one of system, user, assistant, tool; got array$"),
     "role-unknown": ("/v1/chat/completions", {"messages": [{"role": "admin", "content": "x"}]},
@@ -306,8 +308,8 @@ NAMED = {
                      r"^messages\[0\]\.role: expected one of .*; got nothing \(no role key\)$"),
     "schema-properties-list": ("/v1/chat/completions", {"messages": HI, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": [1, 2]}}}},
-        r"^response_format\.json_schema\.schema\.properties: not a valid JSON Schema \(draft 2020-12\): \[1, 2\] is not "
-        r"of type 'object'"),
+        r"^response_format\.json_schema\.schema\.properties: not a valid JSON Schema \(draft 2020-12\): "
+        r"\[1, 2\] is not of type 'object'"),
     "schema-bad-type": ("/v1/chat/completions", {"messages": HI, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
             "a": {"type": "strin"}}}}}},
@@ -326,7 +328,8 @@ NAMED = {
     "message-tool-calls-dict": ("/v1/chat/completions", {"messages": [
         {"role": "assistant", "content": None, "tool_calls": {"id": "x"}}]},
         r"^messages\[0\]\.tool_calls: expected an array of tool calls; got object$"),
-    "message-tool-calls-on-user": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "tool_calls": [
+    "message-tool-calls-on-user": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x",
+                                                                          "tool_calls": [
         {"type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
         r"^messages\[0\]\.tool_calls: only assistant messages carry tool_calls"),
     "message-unknown-field": ("/v1/chat/completions", {"messages": [{"role": "user", "contnet": "x"}]},

@@ -15,6 +15,11 @@ past --max-body-bytes get 413; nesting past 64 levels, unknown parameters, promp
 --max-prompt-tokens and prompt + max_tokens past --max-model-len get 400. GET /health is
 readiness (200 only if the worker is alive and not wedged), apart from /v1/models.
 
+Hardening (issue 29): every field is checked by type before use (serving/fields.py: UTF-8 strings,
+message fields, seeds in [0, 2**63), JSON Schemas against the draft 2020-12 meta-schema), so a bad
+request is a 400 naming its field, never a 500 (tests/test_serve_fuzz.py); Retry-After on 429 is
+the queue's expected wait from measured job times (serving/worker.py).
+
 Structured output is real, not simulated: response_format json_object/json_schema
 and tool_choice required/named run a token constraint (backends/base.py), so the
 model's own logits choose among grammar-legal tokens. Schema coverage: type,

@@ -161,7 +161,8 @@ def check_tool_calls(calls, role: str, at: str) -> None:
             _fail(f"{here}.type: expected 'function'; got {got}", f"{here}.type")
         fn = call.get("function")
         if not isinstance(fn, dict):
-            _fail(f"{here}.function: expected an object with name and arguments; got {type_name(fn)}", f"{here}.function")
+            _fail(f"{here}.function: expected an object with name and arguments; got {type_name(fn)}",
+                  f"{here}.function")
         name = fn.get("name")
         if not isinstance(name, str) or not name:
             _fail(f"{here}.function.name: expected a non-empty string; got {type_name(name)}", f"{here}.function.name")

@@ -15,8 +15,9 @@ import re
 from dataclasses import dataclass
 
 from k3verify.serving.backends.base import CompletionParams
-from k3verify.serving.fields import (RequestError, _fail, check_json_schema, check_message_fields, check_seed,  # noqa: F401
-                                     check_utf8, type_name)
+# RequestError and _fail live in fields.py (the layer below) and are re-exported from here.
+from k3verify.serving.fields import (RequestError, _fail, check_json_schema, check_message_fields,  # noqa: F401
+                                     check_seed, check_utf8, type_name)
 from optimized_stack.errors import K3Error
 
 # K3's immutable sampling values (KVV tests/params: temperature 1.0 thinking / 0.6 non-thinking,
