@@ -126,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
-    if not isinstance(code, int) or code not in (EXIT_OK, EXIT_FAILED, EXIT_USAGE):
+    if not isinstance(code, int) or code not in (EXIT_OK, EXIT_FAILED, EXIT_USAGE, 130):  # 130: Ctrl-C (serve)
         raise TypeError(f"command {args.command!r} must return 0, 1 or 2, got {code!r}")
     if sink is not None and code != EXIT_USAGE and sink.count != 1:
         raise TypeError(f"command {args.command!r} --json must print exactly one JSON document, printed {sink.count}")

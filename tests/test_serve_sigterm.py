@@ -1,4 +1,5 @@
-"""SIGTERM on a real `k3verify serve` subprocess (the embedded k3-mini): it drains and exits 0.
+"""SIGTERM and SIGINT on a real `k3verify serve` subprocess (the embedded k3-mini): it drains and exits
+0 on SIGTERM, 130 on SIGINT (Ctrl-C), with no traceback.
 
 One server per test, on a free loopback port; model load ~5 s on 2 cores, every wait bounded.
 """
@@ -26,7 +27,8 @@ EXIT_S = 20    # --drain-timeout 1 + cancel + uvicorn's shutdown grace, with roo
 class Served:
     def __init__(self, *flags: str):
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "k3verify", "serve", "--port", "0", *flags],
+        self.proc = subprocess.Popen([sys.executable, "-m", "k3verify", "serve", "--host", "127.0.0.1", "--port", "0",
+                                      *flags],
                                      cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.log: list[str] = []
         self.url: str | None = None
@@ -45,14 +47,15 @@ class Served:
             if line.startswith("k3verify serve: ") and " on http://" in line and self.url is None:
                 self.url = line.split(" on ", 1)[1].split()[0]  # .../v1
 
-    def sigterm_and_wait(self) -> tuple[int, float]:
+    def sigterm_and_wait(self, signum: int = signal.SIGTERM) -> tuple[int, float]:
         started = time.monotonic()
-        self.proc.send_signal(signal.SIGTERM)
+        self.proc.send_signal(signum)
         try:
             code = self.proc.wait(EXIT_S)
         except subprocess.TimeoutExpired:
             self.kill()
-            pytest.fail(f"k3verify serve did not exit within {EXIT_S} s of SIGTERM:\n" + "".join(self.log[-20:]))
+            pytest.fail(f"k3verify serve did not exit within {EXIT_S} s of {signal.Signals(signum).name}:\n"
+                        + "".join(self.log[-20:]))
         self._reader.join(5)
         return code, time.monotonic() - started
 
@@ -69,6 +72,21 @@ def test_sigterm_on_an_idle_server_exits_0():
     code, seconds = served.sigterm_and_wait()
     assert code == 0, "".join(served.log[-20:])
     assert any("SIGTERM: draining" in line for line in served.log), "".join(served.log[-20:])
+
+
+def test_sigint_exits_130_without_a_traceback():
+    # Issue 29: Ctrl-C gave "TypeError: command 'serve' must return 0, 1 or 2, got 130" and exit 1 (negative
+    # control, by hand: with the old exit-code check in cli.py this test fails with "exit 1 after SIGINT").
+    served = Served("--drain-timeout", "1")
+    root = served.url[: -len("/v1")]
+    assert root.startswith("http://127.0.0.1:"), root
+    assert httpx.get(f"{root}/health", timeout=30).status_code == 200
+    code, seconds = served.sigterm_and_wait(signal.SIGINT)
+    log = "".join(served.log)
+    assert code == 130, f"exit {code} after SIGINT, expected 130:\n{log[-2000:]}"
+    assert "Traceback" not in log and "Error" not in log, log[-2000:]
+    ours = [line.strip() for line in served.log if line.startswith("k3verify")]
+    assert "k3verify serve: SIGINT: draining (up to 1 s)" in ours, ours
 
 
 def test_sigterm_with_a_stream_in_flight_drains_then_exits_0():

@@ -15,6 +15,11 @@ past --max-body-bytes get 413; nesting past 64 levels, unknown parameters, promp
 --max-prompt-tokens and prompt + max_tokens past --max-model-len get 400. GET /health is
 readiness (200 only if the worker is alive and not wedged), apart from /v1/models.
 
+Hardening (issue 29): every field is checked by type before use (serving/fields.py: UTF-8 strings,
+message fields, seeds in [0, 2**63), JSON Schemas against the draft 2020-12 meta-schema), so a bad
+request is a 400 naming its field, never a 500 (tests/test_serve_fuzz.py); Retry-After on 429 is
+the queue's expected wait from measured job times (serving/worker.py).
+
 Structured output is real, not simulated: response_format json_object/json_schema
 and tool_choice required/named run a token constraint (backends/base.py), so the
 model's own logits choose among grammar-legal tokens. Schema coverage: type,
@@ -39,7 +44,7 @@ from k3verify.serving.http import (ClientGone, JobStream, collect, error_body, e
 from k3verify.serving.validation import (CHAT_PARAMS, COMPLETION_PARAMS, RequestError, ServeLimits, _fail,
                                          check_context, check_known_params, check_messages, check_response_format,
                                          check_sampling, check_stop, check_stream, check_tool_choice, check_tools,
-                                         parse_json_object)
+                                         parse_json_object, type_name)
 from k3verify.serving.worker import GenerationWorker, JobCancelled
 from optimized_stack.errors import K3Error
 
@@ -63,6 +68,8 @@ def create_app(backend: TextBackend, tokenizer, model_name: str = "k3-mini", enf
     async def read_json(request: Request, allowed: frozenset | None = None) -> dict:
         body = parse_json_object(await read_body(request, limits.max_body_bytes), limits.max_json_depth)
         model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise RequestError(f"model: expected a string; got {type_name(model)}", "model")
         if model is not None and model != model_name:
             raise RequestError(f"model {model!r} is not served here; this server serves {model_name!r}", "model", 404)
         if allowed is not None:
@@ -212,8 +219,8 @@ def create_app(backend: TextBackend, tokenizer, model_name: str = "k3-mini", enf
                                      or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
             _fail(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] for completions, got {logprobs!r}",
                   "logprobs")
-        if body.get("echo"):
-            _fail("echo is not supported by this server", "echo")
+        if body.get("echo") is not None and body["echo"] is not False:  # `in (None, False)` would let 0 through
+            _fail("echo is not supported by this server; send false or omit it", "echo")
         params = check_sampling(body, enforce_contract, logprobs, (tokenizer.eos_id,))
         check_context(len(prompt_ids), params.max_tokens, limits, "prompt")
         gen = Generation(backend, tokenizer, prompt_ids, params, None, stops)

@@ -15,6 +15,9 @@ import re
 from dataclasses import dataclass
 
 from k3verify.serving.backends.base import CompletionParams
+# RequestError and _fail live in fields.py (the layer below) and are re-exported from here.
+from k3verify.serving.fields import (RequestError, _fail, check_json_schema, check_message_fields,  # noqa: F401
+                                     check_seed, check_utf8, type_name)
 from optimized_stack.errors import K3Error
 
 # K3's immutable sampling values (KVV tests/params: temperature 1.0 thinking / 0.6 non-thinking,
@@ -26,23 +29,9 @@ MAX_NEW_TOKENS = 4096
 MAX_TOOLS = 128
 MAX_STOP = 5           # K3: at most 5 stop sequences ...
 MAX_STOP_BYTES = 32    # ... each at most 32 bytes
+FUNCTION_KEYS = frozenset({"name", "description", "parameters", "strict"})  # OpenAI's function object
 TOOL_NAME_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_-]{2,63}$")  # K3's tool-name rule
 DEFAULT_MAX_TOKENS = 256
-
-
-class RequestError(Exception):
-    """A request the server refuses -> HTTP `status` (400 unless said) with this one-line message,
-    an OpenAI-style error body, and `headers` (Retry-After on 429/503)."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.param, self.status, self.code = param, status, code
-        self.headers = headers or {}
-
-
-def _fail(message: str, param: str | None = None):
-    raise RequestError(message, param)
 
 
 # ---------------------------------------------------------------------------
@@ -81,15 +70,21 @@ class ServeLimits:
                           f"({self.max_model_len}): a prompt needs room for at least one new token")
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
+
+
 def parse_json_object(raw: bytes, max_depth: int) -> dict:
-    """The body as a JSON object; 400 for non-JSON, a non-object or nesting past max_depth."""
+    """The body as a JSON object; 400 for non-JSON (NaN and Infinity included: Python's json takes them,
+    JSON does not), a non-object, nesting past max_depth, or a string that is not valid UTF-8."""
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_no_constant)
     except RecursionError:  # the C scanner recurses per level: 100k nested arrays end here, not in a 500
         _fail(f"the request body nests arrays/objects deeper than Python can parse; at most {max_depth} "
               "levels are accepted")
-    except ValueError:  # JSONDecodeError and UnicodeDecodeError
-        _fail("the request body must be a JSON object, got something that is not JSON")
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, NaN/Infinity, ints past 4300 digits
+        reason = " ".join(str(e).split())[:200]
+        _fail(f"the request body must be a JSON object, got something that is not JSON ({reason})")
     if not isinstance(body, dict):
         _fail(f"the request body must be a JSON object, got {type(body).__name__}")
     # Iterative, so the check itself cannot recurse too deep; later code (schemas, programs) may recurse.
@@ -99,6 +94,7 @@ def parse_json_object(raw: bytes, max_depth: int) -> dict:
             _fail(f"the request body nests arrays/objects more than {max_depth} levels deep")
         level = [v for c in level for v in (c.values() if isinstance(c, dict) else c) if isinstance(v, (dict, list))]
         depth += 1
+    check_utf8(body)
     return body
 
 
@@ -130,7 +126,7 @@ def check_neutral(body: dict) -> None:
     """Accepted fields this server does not act on: only values that ask for nothing pass."""
     if body.get("logit_bias") not in (None, {}):
         _fail("logit_bias is not supported by this server; send null or {}", "logit_bias")
-    if body.get("best_of") not in (None, 1):
+    if body.get("best_of") is not None and (type(body["best_of"]) is not int or body["best_of"] != 1):
         _fail(f"best_of must be 1 (one sample per request), got {body['best_of']!r}", "best_of")
     if body.get("suffix") not in (None, ""):
         _fail("suffix (insertion) is not supported by this server", "suffix")
@@ -165,7 +161,9 @@ def _number(body: dict, key: str, default: float) -> float:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        _fail(f"{key} must be a number, got {value!r}", key)
+        _fail(f"{key} must be a number, got {type_name(value)}", key)
+    if isinstance(value, int) and abs(value) > 1 << 64:  # float() of a huge int overflows; no valid value is near
+        _fail(f"{key} must be a number of reasonable size, got an integer of {value.bit_length()} bits", key)
     return float(value)
 
 
@@ -198,9 +196,7 @@ def check_sampling(body: dict, enforce: bool, logprobs: int | None, stop_ids: tu
         max_tokens = DEFAULT_MAX_TOKENS
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= MAX_NEW_TOKENS:
         _fail(f"max_tokens must be an integer in [1, {MAX_NEW_TOKENS}], got {max_tokens!r}", "max_tokens")
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        _fail(f"seed must be an integer, got {seed!r}", "seed")
+    seed = check_seed(body.get("seed"))
     return CompletionParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
                           stop_token_ids=stop_ids, logprobs=logprobs)
 
@@ -242,12 +238,20 @@ def check_tools(tools, where: str) -> list[dict]:
         at = f"{where}[{i}]"
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
             _fail(f"{at} must be {{'type': 'function', 'function': {{...}}}}, got {tool!r}", at)
+        extra = sorted(set(tool) - {"type", "function"}) or sorted(set(tool["function"]) - FUNCTION_KEYS)
+        if extra:
+            where = at if extra[0] in tool else f"{at}.function"
+            _fail(f"{where}: unknown key {extra[0]!r}; accepted: "
+                  f"{'type, function' if where == at else ', '.join(sorted(FUNCTION_KEYS))}", f"{where}.{extra[0]}")
         fn = tool["function"]
+        if "strict" in fn and not isinstance(fn["strict"], bool):
+            _fail(f"{at}.function.strict: expected a boolean; got {type_name(fn['strict'])}", f"{at}.function.strict")
         name = fn.get("name")
         if not isinstance(name, str) or not TOOL_NAME_RE.match(name):
             _fail(f"{at}.function.name must match {TOOL_NAME_RE.pattern}, got {name!r}", at)
         if "description" in fn and not isinstance(fn["description"], str):
-            _fail(f"{at}.function.description must be a string, got {fn['description']!r}", at)
+            _fail(f"{at}.function.description must be a string, got {type_name(fn['description'])}",
+                  f"{at}.function.description")
         params = fn.get("parameters")
         if params is not None:
             if not isinstance(params, dict) or params.get("type", "object") != "object":
@@ -257,6 +261,7 @@ def check_tools(tools, where: str) -> list[dict]:
             required = params.get("required", [])
             if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
                 _fail(f"{at}.function.parameters.required must be a list of strings, got {required!r}", at)
+            check_json_schema(params, f"{at}.function.parameters")
     return tools
 
 
@@ -272,7 +277,8 @@ def check_messages(messages) -> tuple[list[dict], list[dict]]:
     for i, msg in enumerate(messages):
         at = f"messages[{i}]"
         if not isinstance(msg, dict):
-            _fail(f"{at} must be an object, got {msg!r}", at)
+            _fail(f"{at}: expected a message object; got {type_name(msg)}", at)
+        check_message_fields(msg, at)
         if "tools" in msg:
             if msg.get("role") != "system":
                 _fail(f"{at}: tools may only be declared on a system message, got role {msg.get('role')!r}", at)
@@ -320,6 +326,12 @@ def check_response_format(fmt) -> tuple[str, dict | None]:
     spec = fmt.get("json_schema")
     if not isinstance(spec, dict):
         _fail("response_format json_schema needs a json_schema object with name and schema", "response_format")
+    extra = sorted(set(spec) - {"name", "description", "schema", "strict"})
+    if extra:
+        _fail(f"response_format.json_schema: unknown key {extra[0]!r}; accepted: description, name, schema, strict",
+              f"response_format.json_schema.{extra[0]}")
+    if not isinstance(spec.get("strict", False), bool) or not isinstance(spec.get("description", ""), str):
+        _fail("response_format.json_schema: strict must be a boolean and description a string", "response_format")
     if not isinstance(spec.get("name"), str) or not re.match(r"^[a-zA-Z0-9_-]{1,64}$", spec["name"]):
         _fail(f"response_format.json_schema.name must match ^[a-zA-Z0-9_-]{{1,64}}$, got {spec.get('name')!r}",
               "response_format")
@@ -329,4 +341,5 @@ def check_response_format(fmt) -> tuple[str, dict | None]:
     if schema.get("type", "object") != "object":
         _fail(f"response_format.json_schema.schema must have type 'object' at the root, got {schema.get('type')!r}",
               "response_format")
+    check_json_schema(schema, "response_format.json_schema.schema")
     return kind, schema

@@ -30,6 +30,13 @@ from collections import deque
 from k3verify.serving.generation import Generation
 
 IDLE_TICK_S = 0.5  # an idle worker wakes this often, so its progress stamp stays fresh
+# Retry-After (issue 29): the expected wait for the jobs ahead, from a running estimate of one job's
+# wall time. The old answer was one job's time (1-2 s) while a full queue of 32 needed ~30 s, so 48 of
+# 100 clients that honoured it gave up. The prior stands until the first job is measured.
+JOB_S_PRIOR = 1.0        # seconds per job before any is measured: ~256 tokens of k3-mini on 2 cores
+JOB_S_WEIGHT = 0.2       # weight of the newest measurement in the moving average
+WORKERS = 1              # generation threads serving the queue (one: the backend serves one generation)
+MAX_RETRY_AFTER_S = 3600  # a bound on the header, not on the estimate's honesty: past an hour, ask again
 
 
 class QueueFull(Exception):
@@ -57,6 +64,7 @@ class Job:
         self._items: asyncio.Queue = asyncio.Queue()  # ("piece", (text, events)) | ("done", None) | ("error", exc)
         self._cancelled = threading.Event()
         self.cancel_reason = ""
+        self.probe = False  # a readiness probe: one token, not a request, so not in the wait estimate
 
     @property
     def cancelled(self) -> bool:
@@ -85,14 +93,15 @@ class Job:
 class GenerationWorker:
     """Owns `backend` calls on one daemon thread; see the module docstring."""
 
-    def __init__(self, max_queue: int, stall_s: float, name: str = "k3verify-generate"):
+    def __init__(self, max_queue: int, stall_s: float, name: str = "k3verify-generate",
+                 job_s_prior: float = JOB_S_PRIOR):
         self.max_queue, self.stall_s = max_queue, stall_s
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._running: Job | None = None
         self._accepting, self._stopped = True, False
         self._progress = time.monotonic()
-        self._job_s = 1.0  # moving average of a job's wall time, for Retry-After
+        self._job_s, self._jobs_measured = job_s_prior, 0  # moving average of a job's wall time, s
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
@@ -108,12 +117,29 @@ class GenerationWorker:
             if not self._thread.is_alive():  # queued work would never run: refuse it, never hang it
                 raise Draining("the generation worker thread has stopped; restart the server")
             if not front and len(self._waiting) >= self.max_queue and (self._running or self._waiting):
-                wait_s = min(60, max(1, math.ceil(self._job_s)))
+                wait_s = self._retry_after_s()
                 raise QueueFull(f"the generation queue is full ({len(self._waiting)} waiting behind the running "
-                                f"request, --max-queue {self.max_queue}); retry after {wait_s} s", wait_s)
+                                f"request, --max-queue {self.max_queue}); retry after {wait_s} s "
+                                f"(~{self._job_s:.2g} s per request)", wait_s)
+            job.probe = front
             (self._waiting.appendleft if front else self._waiting.append)(job)
             self._cond.notify_all()
         return job
+
+    def _retry_after_s(self) -> int:
+        """Seconds until the jobs ahead of a newcomer (the running one and the queue) should be done:
+        ceil(depth * seconds per job / workers), at least 1. Called with _cond held."""
+        depth = len(self._waiting) + (self._running is not None)
+        return min(MAX_RETRY_AFTER_S, max(1, math.ceil(depth * self._job_s / WORKERS)))
+
+    def _measure(self, job: Job, seconds: float) -> None:
+        """Fold one finished job's wall time into the estimate (called with _cond held). Probes and
+        cancelled jobs are left out: they end early and would make the queue look faster than it is."""
+        if job.probe or job.cancelled:
+            return
+        self._jobs_measured += 1
+        self._job_s = seconds if self._jobs_measured == 1 else \
+            (1 - JOB_S_WEIGHT) * self._job_s + JOB_S_WEIGHT * seconds
 
     def cancel(self, job: Job, reason: str) -> None:
         """Stop a job: dropped if still queued, ended after the token in flight if running. Idempotent."""
@@ -208,7 +234,7 @@ class GenerationWorker:
                 with self._cond:
                     self._running = None
                     self._progress = time.monotonic()
-                    self._job_s = 0.8 * self._job_s + 0.2 * (self._progress - started)
+                    self._measure(job, self._progress - started)
                     self._cond.notify_all()
 
     def _tick(self, job: Job) -> bool:
