@@ -20,6 +20,9 @@ right answer. Per computation, in order, the first thing that differs names the 
   2. the state it started from, layer by layer in execution order, a KDA layer's recurrent
      state before its conv window (a checkpoint taken a token late differs in both)
                                                          -> kda/recurrent, kda/conv, mla/cache;
+     and the cache rows before its first token as it left them (it only reads those: a step
+     that rewrote one is a cache fault, even where its own attention read the bad row)
+                                                         -> mla/cache;
   3. a sublayer output (segments only), in execution order: with equal inputs and state, a
      different op-table slot than the reference's        -> ops/<slot>; an MLA mixer over an
      equal latent cache                                  -> mla/attention; else the sublayer's
@@ -63,6 +66,7 @@ class _Computation:
     kept_rows: int = 0             # logits rows the engine kept (a verification keeps the accepted)
     post: dict[tuple[int, str], str] = field(default_factory=dict)
     post_at: int | None = None
+    cached_after: dict[tuple[int, str], str] = field(default_factory=dict)   # MLA rows [0, start) after it
     graph_replayed: bool = False
 
 
@@ -106,7 +110,8 @@ class _Trace:
         self._step = 0
         self._step_len: dict[str, int] = {}
         self._step_replays = 0
-        self.emitted_by: dict[str, dict[int, str]] = {}   # rid -> position -> "spec" | "sampler"
+        # rid -> position -> (who emitted it: "spec" | "sampler", the engine step, the token)
+        self.emitted_by: dict[str, dict[int, tuple[str, int, int]]] = {}
         self._verified: set[str] = set()
 
     # -- engine wiring
@@ -139,7 +144,7 @@ class _Trace:
             req = self.engine._requests[rid]
             kind = "spec" if rid in self._verified else "sampler"
             for p in range(before, len(req.tokens)):
-                self.emitted_by.setdefault(rid, {}).setdefault(p, kind)
+                self.emitted_by.setdefault(rid, {}).setdefault(p, (kind, self._step, int(req.tokens[p])))
 
     # -- model probes
     def on_segments(self, segments) -> None:
@@ -194,7 +199,9 @@ class _Trace:
         if last.post_at != num_tokens:
             last.post, last.post_at = {}, num_tokens
             req = self.engine._requests[rid]
-            last.post.update(_mla_post(self.engine.store.mla_rows(req), num_tokens))
+            rows = self.engine.store.mla_rows(req)
+            last.post.update(_mla_post(rows, num_tokens))
+            last.cached_after = _mla_post(rows, last.start)
         for name, t in kst.tensors().items():
             last.post[(layer, name)] = hash_tensor(t)
 
@@ -281,7 +288,7 @@ def _judge(model, c: _Computation, walk: _ReferenceWalk, seq: list[int], ref_ops
     for i, tok in enumerate(c.ids[:c.nondraft]):
         p = c.start + i
         if p >= len(seq) or tok != seq[p]:
-            by = emitted.get(p, "sampler")
+            by = emitted.get(p, ("sampler",))[0]
             return {"component": f"engine/{by}", "layer": None, "sublayer": None, "first_position": p,
                     "reason": f"the token streams part at position {p}: fed {tok}, the reference has "
                               f"{seq[p] if p < len(seq) else 'no token'} (emitted by the {by})"}
@@ -291,6 +298,13 @@ def _judge(model, c: _Computation, walk: _ReferenceWalk, seq: list[int], ref_ops
         key = _first_state_diff(c.pre, _state_hashes(model, st, c.start))
         if key is not None:
             return _state_found(key, c.start, "the state this computation started from")
+    # 2b. the cache rows it found must be the rows it leaves: a computation that rewrote a cached
+    # row (one it only reads) is a cache fault, even where its own attention then read the bad row
+    key = _first_state_diff(c.cached_after, _mla_post(st.mla, c.start))
+    if key is not None:
+        return {**_state_found(key, c.start, ""),
+                "reason": f"layer {key[0]}: a cached row before token {c.start} was rewritten by this "
+                          f"computation, which only reads them"}
     # 3. sublayer outputs, 4. logits
     rec: dict[tuple[int, str], str] = {}
     order: list[tuple[int, str]] = []
@@ -323,7 +337,14 @@ def _judge(model, c: _Computation, walk: _ReferenceWalk, seq: list[int], ref_ops
                               f"from the same state" + (" (a replayed CUDA graph)" if c.graph_replayed else "")}
         return {"component": "head/logits", "layer": -1, "sublayer": "logits", "first_position": c.start,
                 "reason": "the logits differ with every sublayer output equal"}
-    # 5. the state it left
+    # 5. the tokens its step emitted (a verification keeps or drops drafts; the sampler picks), then
+    # the state it left, which follows from them
+    if c.post_at is not None:
+        for p, (by, step, tok) in sorted(emitted.items()):
+            if step == c.step and (p >= len(seq) or tok != seq[p]):
+                return {"component": f"engine/{by}", "layer": None, "sublayer": None, "first_position": p,
+                        "reason": f"the token streams part at position {p}: engine step {c.step} emitted {tok}, "
+                                  f"the reference has {seq[p] if p < len(seq) else 'no token'} (by the {by})"}
     if c.post_at is not None:
         key = _first_state_diff(c.post, _state_hashes(model, walk.state_at(c.post_at), c.post_at))
         if key is not None:

@@ -152,7 +152,8 @@ def run(args) -> int:
     undecided = f", {s['inconclusive']} inconclusive" if s.get("inconclusive") else ""
     con.print(f"verdict: {s['verdict']}  ({s['passed']} pass, {s['failed']} fail, {s['skipped']} skip, "
               f"{s['errors']} error{undecided}; toggles counted {counted}/{len(report['verdicts'])}; "
-              f"mutants caught {nc['caught']}/{nc['total']}; {ran} of {len(plan['units'])} units run now)")
+              f"mutants caught {nc['caught']}/{nc['total']}, localised where they live "
+              f"{nc.get('localised', 0)}/{nc.get('localisable', 0)}; {ran} of {len(plan['units'])} units run now)")
     if patch_line:
         con.print(f"patch diff: {patch_line}  ({run_dir / 'patch-diff' / 'summary.md'})")
     con.print(f"report: {paths['md']}  junit: {paths['junit']}  resume with: --resume {plan['run_id']}")

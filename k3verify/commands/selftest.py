@@ -46,9 +46,13 @@ def run(args) -> int:
     con.print(table)
     verdict = report["summary"]["verdict"]
     mutants = [r for r in rows if r["kind"] == "mutant" and r["status"] != "skip"]
-    con.print(f"mutants caught: {sum(bool(r['caught']) for r in mutants)}/{len(mutants)}  verdict: {verdict}  "
-              f"report: {paths['md']}")
+    from k3verify.suites.verdicts import localisation
+    loc = localisation(rows)
+    acc = "-" if loc["localisation_accuracy"] is None else f"{100 * loc['localisation_accuracy']:.0f}%"
+    con.print(f"mutants caught: {sum(bool(r['caught']) for r in mutants)}/{len(mutants)}  localised where they live: "
+              f"{loc['localised']}/{loc['localisable']} ({acc})  verdict: {verdict}  report: {paths['md']}")
     if args.json:
         emit_json({"run_id": run_id, "verdict": verdict, "report": str(paths["json"]), "summary": report["summary"],
+                   "localisation": loc,
                    "events": {r["toggle"]: (r.get("evidence") or {}).get("events", {}) for r in rows}})
     return 0 if verdict == "pass" else 1

@@ -92,27 +92,29 @@ def _mutant(toggle, subject: Subject, results: list[Result], failed: set[str], *
     caught_by = sorted(failed & set(toggle.caught_by))
     loc = next((r.localization for r in results if r.localization), None)
     where = (loc or {}).get("component")
-    unavailable = where is None and multi_request
-    # An engine / multi-rank fault cannot be replayed one request at a time; it is localised
-    # from the state checks instead, which name the layer and state tensor where it is FIRST
-    # SEEN (an MLA-row fault shows in the next KDA layer's state; a bad conv window is
-    # overwritten after 3 tokens, leaving the recurrent state wrong). There the registry's
-    # `lives_in` is reported beside it, not required to be equal. Model-level faults must
-    # localise to exactly the component they live in.
-    localised = toggle.lives_in is None or where == toggle.lives_in or unavailable or (
-        multi_request and where is not None)
+    # Every fault must be localised to the component it lives in: model faults by the sublayer
+    # replay, engine faults by the engine trace (k3verify/localize_engine.py), which names where
+    # the fault entered (a cache row, a restored state, an op slot, the sampler), not the first
+    # KDA state it reached. Only a fault across tensor-parallel ranks cannot be replayed in one
+    # process (its `lives_in` is None: reported, not judged).
+    unavailable = where is None and multi_request and toggle.lives_in is None
+    localised = toggle.lives_in is None or where == toggle.lives_in
     caught = bool(caught_by)
+    evidence_loc = {"lives_in": toggle.lives_in, "found": where, "exact": localised and toggle.lives_in is not None}
     if caught and localised:
-        if multi_request and where is not None and where != toggle.lives_in:
-            where = f"{where} (first seen; lives in {toggle.lives_in})"
-        where_text = ("not localisable by single-process replay (engine / multi-rank fault; see first "
-                      "divergence)" if unavailable else f"localised to {where}")
-        return Result.passed(subject, "selftest", f"caught by {', '.join(caught_by)}; {where_text}; {events}",
-                             localization=loc, caught=True, **common)
+        where_text = ("not localisable by single-process replay (multi-rank fault; see first divergence)"
+                      if unavailable else f"localised to {where}")
+        res = Result.passed(subject, "selftest", f"caught by {', '.join(caught_by)}; {where_text}; {events}",
+                            localization=loc, caught=True, **common)
+        res.evidence["localisation"] = evidence_loc
+        return res
     problems = []
     if not caught:
         problems.append(f"not caught by {', '.join(toggle.caught_by)} (failed checks: {sorted(failed) or 'none'})")
     else:
         problems.append(f"localised to {where!r}, expected {toggle.lives_in!r}")
     problems.append(events)
-    return Result.failed(subject, "selftest", "; ".join(problems), localization=loc, caught=caught, **common)
+    res = Result.failed(subject, "selftest", "; ".join(problems), localization=loc, caught=caught, **common)
+    if caught:
+        res.evidence["localisation"] = evidence_loc
+    return res

@@ -15,6 +15,8 @@ over its scenario set, and those that never fired (the set passes only with none
 """
 from __future__ import annotations
 
+from typing import Any
+
 import json
 from pathlib import Path
 
@@ -154,9 +156,21 @@ def _set_judged(rows: list[dict]) -> list[dict]:
     return out
 
 
-def negative_controls(results: list[dict]) -> dict[str, int]:
+def negative_controls(results: list[dict]) -> dict[str, Any]:
     mutants = [r for r in results if r["kind"] == "mutant" and r.get("caught") is not None]
-    return {"caught": sum(r["caught"] is True for r in mutants), "total": len(mutants)}
+    return {"caught": sum(r["caught"] is True for r in mutants), "total": len(mutants), **localisation(results)}
+
+
+def localisation(results: list[dict]) -> dict[str, Any]:
+    """Localisation accuracy, with the mutants' own `lives_in` as the oracle: of the caught mutants
+    that name where they live, how many the check localised there (issue 26: >= 0.9)."""
+    judged = [(r.get("evidence") or {}).get("localisation") for r in results
+              if r["kind"] == "mutant" and r.get("caught") is True]
+    judged = [j for j in judged if j and j.get("lives_in")]
+    exact = sum(bool(j["exact"]) for j in judged)
+    return {"localised": exact, "localisable": len(judged),
+            "localisation_accuracy": round(exact / len(judged), 4) if judged else None,
+            "mislocalised": sorted(f"{j['lives_in']} -> {j['found']}" for j in judged if not j["exact"])}
 
 
 def write_combined(plan: dict, model, run_dir: Path, results: list[dict]) -> tuple[dict, dict]:
