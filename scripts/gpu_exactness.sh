@@ -35,16 +35,16 @@ LANE4=${LANE4:-shared_expert_side_stream}
 LANE5=${LANE5:-invariance_mini,controls,drift,price,invariance_small,fla}
 LANE6=${LANE6:-kda_chunked,kda_fla_chunk,kda_fla_chunk_prefill,kda_fla_recurrent,mla_absorbed,mla_sdpa,moe_grouped,moe_grouped_static,gemm_per_shape}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-3}
-run_lane() {  # tag sections [--only toggles]
+run_lane() {  # tag sections [toggles] [model]
   K3VERIFY_WAIT_FOR=${WAIT_FOR-16:/tmp/k3-warm16,128:/tmp/k3-warm128} timeout "${RUN_TIMEOUT_S:-500}" \
-    python3 -m k3verify.perf.gpu_exactness --out "$OUT" --budget-s "${RUN_BUDGET_S:-430}" --tag "$1" --sections "$2" ${3:+--only $3} \
+    python3 -m k3verify.perf.gpu_exactness --out "$OUT" --budget-s "${RUN_BUDGET_S:-430}" --tag "$1" --sections "$2" ${3:+--only $3} ${4:+--model $4} \
     > "$OUT/lane_$1.log" 2>&1
   echo "lane $1 rc=$?"
 }
-if [ -n "${LANES:-}" ]; then          # e.g. LANES="mutants:mutants approx:approx:kda_fla_chunk,mla_sdpa"
+if [ -n "${LANES:-}" ]; then          # e.g. LANES="mutants:mutants approx:approx:kda_fla_chunk,mla_sdpa small:exact,mutants:batched_decode:k3-small"
   for spec in $LANES; do
-    IFS=: read -r tag secs only <<< "$spec"
-    run_lane "$tag" "$secs" "$only" &
+    IFS=: read -r tag secs only model <<< "$spec"
+    run_lane "${model:+${model}__}$tag" "$secs" "$only" "$model" &
   done
 else
   run_lane exact1 exact,mutants "$LANE1" &
@@ -62,6 +62,11 @@ if [ -n "${IEEE_LANE:-}" ]; then       # e.g. IEEE_LANE=drift,fla,approx:kda_fla
 fi
 wait
 tail -3 "$OUT/pytest_kernels.log"
+# lanes on another model (a fourth LANES field) are merged apart: one report per model
+for m in $(ls "$OUT"/gpu_exactness_*.json 2>/dev/null | sed -n 's/.*gpu_exactness_\(k3[a-z0-9-]*\)__.*/\1/p' | sort -u); do
+  mkdir -p "$OUT/$m" && python3 -m k3verify.perf.gpu_exactness --out "$OUT/$m" --merge "$OUT"/gpu_exactness_${m}__*.json \
+    && rm -f "$OUT"/gpu_exactness_${m}__*.json
+done
 python3 -m k3verify.perf.gpu_exactness --out "$OUT" --merge "$OUT"/gpu_exactness_*.json && rm -f "$OUT"/gpu_exactness_*.json
 grep -h "exact \|mutants \|drift \|price\|invariance \|control \|approx" "$OUT"/lane_*.log | cut -c1-220
 (cd "$OUT" && tar -cf logs.tar ./*.log && rm -f ./*.log)

@@ -251,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=500.0)
     ap.add_argument("--only", default="", help="exact / mutants / approx sections: only these toggles (comma list)")
     ap.add_argument("--tag", default="", help="a parallel lane: write gpu_exactness_TAG.json only")
+    ap.add_argument("--model", default=None, help="the model the exact / mutants / approx sections judge "
+                    "(default: the embedded k3-mini; k3-small has K3's head dims)")
     ap.add_argument("--merge", nargs="+", type=Path, default=None,
                     help="join lanes' gpu_exactness_TAG.json into gpu_exactness.{json,md} + summary.json in --out")
     ap.add_argument("--supersede", action="store_true",
@@ -280,8 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     run.doc["fla_dots"] = os.environ.get("K3_FLA_DOTS", "fla")
     gpu_model = cpu_model = None
     if set(sections) & {"drift", "exact", "mutants", "approx"}:
-        gpu_model = load_model(None, device="cuda", dtype=torch.bfloat16)
-        cpu_model = load_model(None)
+        gpu_model = load_model(args.model, device="cuda", dtype=torch.bfloat16)
+        run.doc["model"] = args.model or "k3-mini (embedded)"
+        cpu_model = load_model(args.model)
     refs = Runner(gpu_model) if gpu_model is not None else None      # reference captures, shared by sections
     wait_for = os.environ.get("K3VERIFY_WAIT_FOR", "")       # files the warm-up processes write when done
     steps = {"invariance_mini": lambda: section_invariance(run, [("k3-mini (embedded)", None)]),

@@ -11,7 +11,18 @@ from .gpu_drift import DRIFT_RULE
 def slim(item: dict[str, Any]) -> dict[str, Any]:
     """The fields of a verdict row a report keeps."""
     keep = ("toggle", "kind", "contract", "scenario", "status", "reason", "caught", "op", "shape", "m", "wall_s")
-    return {k: item.get(k) for k in keep if k in item}
+    out = {k: item.get(k) for k in keep if k in item}
+    loc = (item.get("evidence") or {}).get("localisation")
+    if loc:
+        out["localisation"] = loc
+    return out
+
+
+def _localisation(muts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The selftest's localisation figure (suites/verdicts.localisation) over the GPU's mutant rows."""
+    from k3verify.suites.verdicts import localisation
+    return localisation([{"kind": "mutant", "caught": m.get("caught"), "evidence": {"localisation": m.get("localisation")}}
+                         for m in muts])
 
 
 def summary(doc: dict[str, Any]) -> dict[str, Any]:
@@ -29,7 +40,8 @@ def summary(doc: dict[str, Any]) -> dict[str, Any]:
             "driver": doc.get("driver"), "exact": exact,
             "mutants": {"caught": sum(1 for m in muts if m.get("caught")), "total": len(muts),
                         "not_judged": sum(1 for m in sec.get("exact_mutants", []) + sec.get("approx_mutants", [])
-                                          if m.get("status") == "skip")},
+                                          if m.get("status") == "skip"),
+                        **_localisation(muts)},
             "invariance": {"pass": sum(1 for i in inv if invariance_status(i) == "pass"),
                            "fail": sum(1 for i in inv if invariance_status(i) == "fail"),
                            "negative_controls_failed": sum(len(i.get("negative_controls_failed", [])) for i in inv),
