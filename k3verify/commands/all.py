@@ -150,6 +150,8 @@ def run(args) -> int:
     s, nc = report["summary"], report["negative_controls"]
     counted = sum(v["verdict"] == "counted" for v in report["verdicts"])
     undecided = f", {s['inconclusive']} inconclusive" if s.get("inconclusive") else ""
+    if s.get("reason"):
+        con.print(f"{s['verdict']}: {s['reason']}")
     con.print(f"verdict: {s['verdict']}  ({s['passed']} pass, {s['failed']} fail, {s['skipped']} skip, "
               f"{s['errors']} error{undecided}; toggles counted {counted}/{len(report['verdicts'])}; "
               f"mutants caught {nc['caught']}/{nc['total']}; {ran} of {len(plan['units'])} units run now)")
