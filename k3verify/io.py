@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -106,6 +107,7 @@ def check_writable_dir(path: str | os.PathLike, what: str = "--report-dir") -> N
     mounts and for ACLs. Writes nothing that stays."""
     p = Path(path)
     problem = f"expected a directory, got a {_kind(p)}" if p.exists() and not p.is_dir() else _dir_problem(p)
+    problem = problem or output_dir_problem(p)       # dangling symlink, too little free space (end of file)
     if problem:
         raise UsageError(f"{what} {p}: {problem}")
 
@@ -159,3 +161,93 @@ def _fsync_dir(directory: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+# ---- output locations: what a run checks before any work, and the report's set of files ----------
+
+MIN_FREE_BYTES = 16 * 1024 * 1024     # a report set with plots and a run's checks files fit in far less
+
+
+def output_dir_problem(p: Path) -> str | None:
+    """Why a run could not write under directory `p` that a temp-file probe does not see, or None:
+    a dangling symlink on the way (mkdir would fail at the end of the run), or a filesystem with
+    less than MIN_FREE_BYTES free (a full disk that would cut the report short)."""
+    probe = p
+    while True:
+        if probe.is_symlink() and not probe.exists():
+            return f"{probe} is a symlink to {os.readlink(probe)}, which does not exist"
+        if probe.exists() or probe == probe.parent:
+            break
+        probe = probe.parent
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError:
+        return None                      # no answer is not a refusal: the probe write already ran
+    if free < MIN_FREE_BYTES:
+        return (f"only {free / 2**20:.1f} MiB free on its filesystem ({probe}); a run needs at least "
+                f"{MIN_FREE_BYTES // 2**20} MiB")
+    return None
+
+
+def _write_temp(target: Path, data: bytes) -> str:
+    """data in a fsynced temp file beside target (same filesystem, so a rename replaces it); its path."""
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o666 & ~process_umask())
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def atomic_write_set(files: "dict[Path, bytes]") -> list[Path]:
+    """Replace several files as one set: every new file is written to a temp file first, then all
+    are renamed in the given order. If any write fails (a full disk, a read-only directory), no
+    file of the set is replaced; if a rename fails, the ones already renamed are put back from
+    hard-link backups of the old files. A reader sees the complete old set or the complete new one,
+    and no temp file is left behind. Raises WriteError naming the file."""
+    targets = [Path(t) for t in files]
+    temps: dict[Path, str] = {}
+    backups: dict[Path, str] = {}
+    renamed: list[Path] = []
+    current = targets[0] if targets else Path(".")
+    try:
+        for target, data in zip(targets, files.values()):
+            current = target
+            target.parent.mkdir(parents=True, exist_ok=True)
+            temps[target] = _write_temp(target, bytes(data))
+        for target in targets:                       # the old set, kept until the new one is in place
+            current = target
+            if target.exists():
+                backup = tempfile.mktemp(dir=target.parent, prefix=f".{target.name}.", suffix=".old")
+                try:
+                    os.link(target, backup)
+                except OSError:
+                    shutil.copy2(target, backup)
+                backups[target] = backup
+        for target in targets:
+            current = target
+            os.replace(temps[target], target)
+            del temps[target]                        # renamed: no temp left to clean up
+            renamed.append(target)
+    except BaseException as exc:
+        for target in reversed(renamed):             # undo: the old file back, or no file where none was
+            if target in backups:
+                os.replace(backups.pop(target), target)
+            else:
+                target.unlink(missing_ok=True)
+        for tmp in [*temps.values(), *backups.values()]:
+            Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError) and not isinstance(exc, WriteError):
+            raise WriteError(f"cannot write {current}: {_reason(exc, current)}; no file of the set "
+                             f"was replaced") from exc
+        raise
+    for backup in backups.values():
+        Path(backup).unlink(missing_ok=True)
+    for d in dict.fromkeys(t.parent for t in targets):
+        _fsync_dir(d)
+    return targets

@@ -4,6 +4,8 @@ arithmetic on the CPU, their kernels on a GPU). The model-level verdicts on the 
 GPU suite's (k3verify/perf/gpu_suite.py, scripts/gpu_suite.sh); GPU tests here skip on a CPU."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -153,4 +155,5 @@ def test_cuda_toggle_diff_on_cpu_says_why_it_skipped(tmp_path, capsys):
     from k3verify.cli import main
     rc = main(["diff", "--toggle", "moe_grouped", "--report-dir", str(tmp_path), "--json"])
     out = capsys.readouterr().out
-    assert rc == 0 and "runs on cuda, not cpu" in out
+    # every row a skip: nothing verified, which is not a pass (issue 29: exit 1, not a green 0)
+    assert rc == 1 and "runs on cuda, not cpu" in out and json.loads(out)["verdict"] == "nothing_verified"

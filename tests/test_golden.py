@@ -145,8 +145,10 @@ def test_unpinned_mkl_on_another_processor_is_a_skip_not_a_drift(tmp_path):
     same = _golden_cli("check", tmp_path, K3_MKL_CBWR="off")
     assert same.returncode == 0 and "golden: pass" in same.stdout, same.stdout + same.stderr
     other = _golden_cli("check", tmp_path, K3_MKL_CBWR="off", MKL_ENABLE_INSTRUCTIONS="SSE4_2")
-    assert other.returncode == 0, other.stdout + other.stderr
+    # a skip compared nothing: the verdict is nothing_verified, exit 1 (issue 29), never a green 0
+    assert other.returncode == 1, other.stdout + other.stderr
     assert "golden: skip: the golden hashes do not apply to this machine" in other.stdout, other.stdout
+    assert "verdict: nothing_verified" in other.stdout, other.stdout
 
 
 def test_a_golden_file_that_is_not_an_object_is_a_one_line_error(model, tmp_path, capsys):

@@ -101,9 +101,10 @@ def test_a_toggle_whose_path_never_ran_is_not_counted(tmp_path):
     bit-identical because nothing was batched. Not exercised, never counted."""
     run_dir = tmp_path / "run"
     assert cli.main(["all", "--suite", str(_diff_suite(tmp_path, ["continuous_batching"])), "--report-dir",
-                     str(run_dir)]) == 0                      # nothing failed ...
+                     str(run_dir)]) == 1                      # nothing failed, but nothing was verified (exit 1)
     report = load_report(run_dir)
     assert report["summary"]["passed"] == 0 and report["summary"]["not_exercised"] == 4
+    assert report["summary"]["verdict"] == "nothing_verified"
     (v,) = report["verdicts"]
     assert v["verdict"] == "skipped" and "batched_forward never fired on single" in v["reason"]
     assert v["events"]["missing"] == ["batched_forward"]
@@ -266,7 +267,8 @@ def test_kill_9_then_resume_finishes_with_a_valid_report(tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not (run_dir / "report.json").exists()
-    done = subprocess.run([*exe, "all", "--resume", "x", "--report-dir", str(run_dir)], cwd=REPO,
+    run_id = json.loads((run_dir / "plan.json").read_text())["run_id"]     # a wrong id is refused
+    done = subprocess.run([*exe, "all", "--resume", run_id, "--report-dir", str(run_dir)], cwd=REPO,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     report = load_report(run_dir)

@@ -120,12 +120,17 @@ def run(args) -> int:
     if args.resume:
         run_dir = _resume_dir(args)
         plan = run_all.load_plan(run_dir)
+        named_dir = Path(args.resume).resolve() == run_dir.resolve()
+        if not named_dir and plan.get("run_id") != args.resume:
+            raise UsageError(f"--resume {args.resume}: {run_dir} holds run {plan.get('run_id')!r}, not {args.resume!r}; "
+                             f"resume that run by its id or choose its directory")
         if args.suite and args.suite not in (plan["suite"]["name"], plan["suite"]["path"]):
             raise UsageError(f"--resume {plan['run_id']} ran suite {plan['suite']['name']!r}, got --suite {args.suite!r}")
         if args.model and args.model != plan["model"]:
             raise UsageError(f"--resume {plan['run_id']} ran model {plan['model']!r}, got --model {args.model!r}")
         model = load_model(plan["model"], **model_load_options(args))
         run_all.check_model(plan, model)
+        run_all.check_finished(plan, run_dir)       # checks files of another model, suite or plan: exit 2 now
     else:
         suite = load_suite(args.suite or "premerge")
         model = load_model(args.model, **model_load_options(args))
@@ -150,6 +155,8 @@ def run(args) -> int:
     s, nc = report["summary"], report["negative_controls"]
     counted = sum(v["verdict"] == "counted" for v in report["verdicts"])
     undecided = f", {s['inconclusive']} inconclusive" if s.get("inconclusive") else ""
+    if s.get("reason"):
+        con.print(f"{s['verdict']}: {s['reason']}")
     con.print(f"verdict: {s['verdict']}  ({s['passed']} pass, {s['failed']} fail, {s['skipped']} skip, "
               f"{s['errors']} error{undecided}; toggles counted {counted}/{len(report['verdicts'])}; "
               f"mutants caught {nc['caught']}/{nc['total']}, localised where they live "

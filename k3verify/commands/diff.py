@@ -3,7 +3,8 @@
 Runs every scenario on the reference path and with the toggle, compares the full logit
 rows, KDA state and MLA rows, judges the toggle's contract and writes DIR/report.json,
 report.md, report.html and junit.xml (the `diff` check kind: kinds/diff.py). Exit 0 when the
-contract holds, 1 when it does not.
+contract holds, 1 when it does not or when nothing was verified (every row skipped or not
+exercised: verdict nothing_verified). A repeated --toggle or --scenario is judged once.
 """
 from __future__ import annotations
 
@@ -58,6 +59,19 @@ def results_table(rows: list[dict], title: str) -> Table:
     return table
 
 
+def unique_flag(values: list[str] | None, flag: str) -> list[str] | None:
+    """A repeated flag value is judged once (first-seen order kept), with one note naming the
+    repeats: `--toggle X --toggle X` is 4 checks, not 8 results from the same 4."""
+    if values is None:
+        return None
+    unique = list(dict.fromkeys(values))
+    if len(unique) < len(values):
+        repeated = {v: values.count(v) for v in unique if values.count(v) > 1}
+        console().print(f"note: {flag} repeated ({', '.join(f'{v} x{n}' for v, n in repeated.items())}): "
+                        f"each judged once, {len(unique)} of {len(values)} values kept")
+    return unique
+
+
 def spec_of(args):
     from k3verify.errors import UsageError
     from k3verify.kinds.base import CheckSpec
@@ -67,7 +81,8 @@ def spec_of(args):
             raise UsageError("--backend vllm needs --model DIR (a Hugging Face model directory)")
         if not (Path(args.model) / "config.json").is_file():
             raise UsageError(f"--model for the vLLM backend: expected a Hugging Face model directory, got {args.model}")
-    return CheckSpec(NAME, options={"toggles": list(args.toggle), "scenarios": args.scenario, "scale": args.scale,
+    toggles, scenarios = unique_flag(args.toggle, "--toggle"), unique_flag(args.scenario, "--scenario")
+    return CheckSpec(NAME, options={"toggles": toggles, "scenarios": scenarios, "scale": args.scale,
                                     "seed": args.seed, "world_size": args.world_size, "backend": args.backend})
 
 
@@ -100,7 +115,8 @@ def run(args) -> int:
             if r.localization:
                 con.print(f"  localised to: {r.localization}")
     verdict = report["summary"]["verdict"]
-    con.print(f"verdict: {verdict}  report: {paths['md']}")
+    why = f" ({report['summary']['reason']})" if report["summary"].get("reason") else ""
+    con.print(f"verdict: {verdict}{why}  report: {paths['md']}")
     if args.json:
         emit_json({"run_id": run_id, "verdict": verdict, "report": str(paths["json"]), "summary": report["summary"],
                    "results": _result_rows(report["results"])})

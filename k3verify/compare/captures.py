@@ -9,6 +9,10 @@ is bit-identical to the reference's, by hash, and where it first is not:
 - kda_state: every KDA state point (recurrent + conv windows, every layer) the candidate
              emitted equals the reference at the same token count;
 - mla_rows:  the MLA cache rows at the end are bit-identical.
+A reference whose logits are constant over the vocabulary (`degenerate_reference`) proves
+nothing by agreement: the gate fails every check on it before comparing. A check that compared
+nothing (0 hashes: no MLA rows captured, rows not comparable after the streams parted) is not
+a pass either: verdict/gate.py reads `compared`.
 Hashes cannot see NaN / inf (a NaN row hashes alike on both sides), so a non-finite item
 recorded by either capture fails the check that owns it first (capture/nonfinite.py), and a
 run the sampler stopped fails `tokens`.
@@ -125,6 +129,35 @@ def compare_captures(ref: Capture, cand: Capture, scenario: str) -> dict[str, di
                     fail("mla_rows", f"MLA layer {layer} cache rows differ at the end of {rid}",
                          {"request": rid, "layer": layer, "tensor": "mla_rows"})
     return out
+
+
+def degenerate_reference(ref: Capture, scenario: str) -> dict | None:
+    """{"reason", "first"} when the reference itself is broken, else None.
+
+    A logits row whose entries are all equal (max - min == 0 over the vocabulary: a zeroed
+    lm_head, a collapsed norm) carries no prediction: greedy picks token 0 (NUL on the byte
+    tokenizer) on every step, and a candidate broken the same way agrees with it bit for bit.
+    Agreement between two broken sides is not a pass, so every check fails on such a reference.
+    Needs the reference's tensors (Runner.reference keeps them); rows without one are not judged.
+    Non-finite rows are failed by the non-finite record (capture/nonfinite.py), not here."""
+    for rid, r in ref.requests.items():
+        for p in sorted(r.logits):
+            t = r.logits[p].tensor
+            if t is None or t.numel() < 2:
+                continue
+            lo, hi = torch.aminmax(t.reshape(-1))
+            if not bool(hi - lo == 0):              # NaN / inf give NaN here: not this rule's
+                continue
+            step = p - r.prompt_len + 1
+            where = f"step {step}" if step >= 0 else f"prompt position {p}"
+            stream = ""
+            if r.tokens and len(set(r.tokens)) == 1:
+                stream = f"; its greedy stream is token {r.tokens[0]} repeated {len(r.tokens)} times"
+            reason = (f"reference is degenerate: logits constant over the vocabulary at {where} of request {rid} "
+                      f"(every entry {float(lo):.6g}{stream}): agreement with it proves nothing")
+            return {"reason": reason, "first": {"scenario": scenario, "request": rid, "position": p, "step": step,
+                                                "tensor": "logits", "side": "reference", "degenerate": "constant"}}
+    return None
 
 
 def findings_for(check: str, first: dict, ref: Capture, cand: Capture) -> list[dict]:

@@ -168,7 +168,7 @@ def _read(path: Path) -> dict[str, Any]:
 @dataclass
 class ScenarioVerdict:
     scenario: str
-    status: str                         # pass / fail / skip
+    status: str                         # pass / fail / skip / not_exercised (0 hashes compared)
     reason: str
     first_divergence: dict | None = None
     divergences: list[dict] = field(default_factory=list)     # the first one per failing check
@@ -176,7 +176,8 @@ class ScenarioVerdict:
 
 @dataclass
 class GoldenCheck:
-    status: str                         # pass / fail / skip (no golden file or model entry here)
+    status: str                         # pass / fail / skip (no golden file or model entry here) /
+    #                                     not_exercised (an entry without scenarios: nothing compared)
     reason: str
     env_key: str
     path: str
@@ -193,7 +194,15 @@ def location(first: dict) -> str:
                      if first.get(k) is not None and not (k == "step" and first[k] < 0))
 
 
+def check_dir(directory: Path, what: str = "--dir") -> None:
+    """A golden directory that does not exist is a typo, not an environment without hashes: refused."""
+    if not Path(directory).is_dir():
+        raise UsageError(f"{what} {directory}: no such directory (expected a golden hash directory such as "
+                         f"{GOLDEN_DIR.relative_to(GOLDEN_DIR.parents[1])})")
+
+
 def check(model, directory: Path = GOLDEN_DIR) -> GoldenCheck:
+    check_dir(directory)
     env = numerics_environment(model)
     key, path, mid = env_key(env), golden_path(model, directory), model_id(model)
     base = dict(env_key=key, path=str(path), model_id=mid)
@@ -206,6 +215,11 @@ def check(model, directory: Path = GOLDEN_DIR) -> GoldenCheck:
     if entry is None:
         return GoldenCheck("skip", f"no golden hashes for model {mid[:23]} in {path.name}; "
                                    f"after a deliberate model change run `k3verify golden record --reason ...`", **base)
+    if not entry["scenarios"]:
+        # an entry with nothing in it compares nothing: not a pass (summarize: nothing_verified)
+        return GoldenCheck("not_exercised", f"golden entry for model {mid[:23]} in {path.name} holds no scenarios: "
+                                            f"nothing compared; re-record it with `k3verify golden record --reason ...`",
+                           **base)
     verdicts = []
     for name, rec in entry["scenarios"].items():
         if not isinstance(rec, dict) or not {"scale", "prompts_sha256", "capture"} <= set(rec):
@@ -224,6 +238,10 @@ def check(model, directory: Path = GOLDEN_DIR) -> GoldenCheck:
         failing = [c for c in EXACT_CHECKS if not cmp[c]["equal"]]
         if not failing:
             n = sum(cmp[c]["compared"] for c in EXACT_CHECKS)
+            if not n:
+                verdicts.append(ScenarioVerdict(name, "not_exercised", f"scenario {name!r}: 0 hashes compared "
+                                                f"(the recorded capture is empty): nothing verified"))
+                continue
             verdicts.append(ScenarioVerdict(name, "pass", f"reference bit-identical to golden ({n} hashes compared)"))
             continue
         firsts = [{"check": c, **cmp[c]["first"]} for c in failing]
@@ -231,9 +249,10 @@ def check(model, directory: Path = GOLDEN_DIR) -> GoldenCheck:
         verdicts.append(ScenarioVerdict(
             name, "fail", f"reference drifted from golden at {location(primary)} ({cmp[primary['check']]['reason']}); "
                           f"failing: {', '.join(failing)}", primary, firsts))
-    status = "fail" if any(v.status == "fail" for v in verdicts) else "pass"
+    status = ("fail" if any(v.status == "fail" for v in verdicts) else
+              "pass" if any(v.status == "pass" for v in verdicts) else "not_exercised")
     reason = ("reference path bit-identical to the golden hashes" if status == "pass" else
-              "; ".join(v.reason for v in verdicts if v.status == "fail"))
+              "; ".join(v.reason for v in verdicts if v.status == status))
     if status == "fail":
         return _attribute(GoldenCheck(status, reason, scenarios=verdicts, **base), entry)
     return GoldenCheck(status, reason, scenarios=verdicts, **base)

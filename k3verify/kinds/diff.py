@@ -49,8 +49,9 @@ def plan(spec: CheckSpec) -> list[Unit]:
 
     def scenarios(name):
         choice = choose(registry.get(name), o["scenarios"])
-        return choice.names, choice.note
-    return units_for(spec, select_toggles(o["toggles"], spec.kind), scenarios)
+        return tuple(dict.fromkeys(choice.names)), choice.note
+    # a toggle named twice is one toggle: its results are not counted twice
+    return units_for(spec, list(dict.fromkeys(select_toggles(o["toggles"], spec.kind))), scenarios)
 
 
 def cost_s(unit: Unit) -> float:
@@ -111,7 +112,10 @@ def _run_vllm(unit: Unit, ctx: Context) -> Result:
                f"(request, step) {summary.first_divergent}, tokens part at {summary.tokens_part}")
         first = {"request": summary.first_divergent[0], "step": summary.first_divergent[1], "tensor": "logprobs"} \
             if summary.first_divergent is not None else None
-    return Result.make("pass" if summary.passed else "fail", subject, "logprobs", why, scenario=VLLM_SCENARIO,
+    status = "pass" if summary.passed else "fail"
+    if summary.passed and not summary.n_steps_compared:      # bit-identical over nothing is not a pass
+        status, why = "not_exercised", "nothing compared: 0 logprob steps in common"
+    return Result.make(status, subject, "logprobs", why, scenario=VLLM_SCENARIO,
                        duration_s=float(cand.get("seconds", 0.0) or 0.0), first_divergence=first,
                        findings=[{**f.to_dict(), "message": f.message(), "request": i, "tokens_part": part}
                                  for i, part, f in findings if not f.equal][:3])

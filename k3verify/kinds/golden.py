@@ -1,6 +1,8 @@
 """Check kind `golden`: the reference path itself against the golden hashes recorded for this
 numerics environment (compare/golden.py): one result per golden scenario, or one skip when
-this environment or model has no hashes (bits legitimately differ across environments)."""
+this environment or model has no hashes (bits legitimately differ across environments), or one
+`not exercised` when the model's entry holds no scenarios. Neither is a pass: a report of only
+those verifies nothing (report/schema.py)."""
 from __future__ import annotations
 
 import time
@@ -19,6 +21,8 @@ GOLDEN_S = 5.0                   # measured: ~4 s of reference compute on the 2-
 def validate(o: dict) -> None:
     if o["dir"] is not None and not isinstance(o["dir"], (str, Path)):
         raise OptionError("dir", f"must be a directory path, got {o['dir']!r}")
+    if o["dir"] is not None and not Path(o["dir"]).is_dir():      # a typo, not an environment without hashes
+        raise OptionError("dir", f"{o['dir']}: no such directory (expected a golden hash directory)")
 
 
 def plan(spec: CheckSpec) -> list[Unit]:

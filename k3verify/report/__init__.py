@@ -6,8 +6,9 @@
                      junit.xml     for CI
 
 write_report validates first and renders every view before touching the disk, so a
-bad report writes nothing; each file is replaced atomically; report.json goes last,
-so its presence means the views beside it belong to it.
+bad report writes nothing; the four files are written as one set (io.atomic_write_set: all
+to temp files, then renamed, report.json last): a write that fails (a full disk) replaces
+none of them, so the directory holds the complete old set or the complete new one.
 
 No run overwrites another run's report. A run directory names its run in report.json
 (or, for `k3verify all`, in plan.json, written first): writing into a directory that
@@ -24,10 +25,10 @@ import re
 import secrets
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from k3verify.errors import UsageError
-from k3verify.io import atomic_write_json, atomic_write_text, make_dir
+from k3verify.io import atomic_write_set, make_dir
 from k3verify.report.environment import environment_fingerprint
 from k3verify.report.render_html import render_html
 from k3verify.report.render_junit import render_junit
@@ -80,8 +81,11 @@ def _json_safe(obj: Any) -> Any:
     return obj
 
 
-def write_report(directory: str | os.PathLike, report: Mapping[str, Any]) -> dict[str, Path]:
-    """Validate, render, then write all four files into `directory` (created). Returns kind -> path."""
+def write_report(directory: str | os.PathLike, report: Mapping[str, Any],
+                 decorate: Callable[[Mapping[str, Any], dict[str, str]], None] | None = None) -> dict[str, Path]:
+    """Validate, render, then write all four files into `directory` (created) as one set. Returns
+    kind -> path. `decorate(safe_report, rendered)` may edit the rendered views in memory (the
+    combined report's verdict sections) before anything is written."""
     validate_report(report)
     safe = _json_safe(report)
     rendered = {
@@ -89,13 +93,16 @@ def write_report(directory: str | os.PathLike, report: Mapping[str, Any]) -> dic
         "html": render_html(safe),
         "junit": render_junit(safe),
     }
+    if decorate is not None:
+        decorate(safe, rendered)
+    rendered["json"] = json.dumps(safe, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
     out_dir = Path(directory)
     claim_report_dir(out_dir, report["run_id"])
     make_dir(out_dir)
     paths = {kind: out_dir / name for kind, name in REPORT_FILES.items()}
-    for kind, text in rendered.items():
-        atomic_write_text(paths[kind], text)
-    atomic_write_json(paths["json"], safe, allow_nan=False)
+    # one set: every file to a temp file first, then renamed (report.json last); a failed write
+    # (a full disk) replaces nothing, so the directory never holds half of a report
+    atomic_write_set({paths[kind]: rendered[kind].encode("utf-8") for kind in ("md", "html", "junit", "json")})
     return paths
 
 

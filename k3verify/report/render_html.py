@@ -29,6 +29,7 @@ th{background:#f2f4f7} td.num{text-align:right;font-variant-numeric:tabular-nums
 .verdict{display:inline-block;padding:.2rem .8rem;border-radius:.3rem;color:#fff;font-weight:700}
 .verdict.pass{background:#067647;color:#fff} .verdict.fail{background:#b42318;color:#fff}
 .verdict.inconclusive{background:#b54708;color:#fff;font-style:normal}
+.verdict.nothing_verified{background:#b54708;color:#fff;font-style:normal}
 pre{background:#f8f9fb;border:1px solid #e4e7ec;padding:.6rem;overflow-x:auto;font-size:.8rem}
 .result{border:1px solid #e4e7ec;border-radius:.4rem;padding:.3rem 1rem 1rem;margin:1rem 0}
 .plots{display:flex;flex-wrap:wrap;gap:1rem} svg{background:#fff;border:1px solid #e4e7ec}
@@ -325,6 +326,7 @@ def render_html(report: Mapping[str, Any]) -> str:
         f"<h1>k3verify report <code>{run_id}</code></h1>",
         f'<p><span class="verdict {escape(verdict)}">{escape(verdict.upper())}</span> '
         f"{escape(summary_counts(summary))}</p>",
+        f"<p><strong>{escape(str(summary['reason']))}</strong></p>" if summary.get("reason") else "",
         f"<p class=\"muted\">created {escape(str(report.get('created', '?')))} - "
         f"<code>{escape(str(report.get('command', '')))}</code> - "
         f"schema {escape(str(report.get('schema_version')))}</p>",

@@ -206,6 +206,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         "",
         f"**Verdict: {verdict}** - {summary_counts(summary)}",
         "",
+        *([f"> {_cell(summary['reason'])}", ""] if summary.get("reason") else []),
         f"- created: {report.get('created', '?')}",
         f"- command: `{report.get('command', '')}`",
         f"- schema version: {report.get('schema_version', '?')}",

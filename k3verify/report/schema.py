@@ -13,8 +13,11 @@ Result every check returns); this module only reads them.
 
 Verdict rule: "fail" when a result failed or errored; else "inconclusive" when a
 result is inconclusive (a gate that ran but could not decide, e.g. too few questions
-for its margin) and counts; else "pass". Skips and not-exercised results (the toggle's own
-code path never ran) do not fail a run, but they are counted, never as a pass, and each
+for its margin) and counts; else "nothing_verified" when every result was skipped or not
+exercised (or there is none): no check compared anything, so the run proves nothing and is
+not a pass (the summary's "reason" says so: "no check compared anything: 4 not exercised,
+0 passed"); else "pass". Every verdict but "pass" exits 1. Skips and not-exercised results
+beside at least one pass do not fail a run, but they are counted, never as a pass, and each
 states its reason; so does every inconclusive result.
 
 A result may carry "role": "smoke" (ROLES): a smoke test whose pass or inconclusive
@@ -34,7 +37,9 @@ from k3verify.verdict.result import KINDS, ROLES, STATUS_TABLE, STATUSES, schema
 
 SCHEMA_VERSION = 1
 
-VERDICTS = ("pass", "fail", "inconclusive")
+VERDICTS = ("pass", "fail", "inconclusive", "nothing_verified")
+# statuses that compared nothing: a run made only of these verified nothing
+UNVERIFIED = ("skip", "not_exercised")
 
 # key -> (accepted types, nullable)
 _TOP_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
@@ -88,8 +93,24 @@ def summarize(results: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     statuses = [r.get("status") for r in results]
     out: dict[str, Any] = {key: statuses.count(status) for key, status in SUMMARY_COUNTS.items()}
     undecided = any(r.get("status") == "inconclusive" and r.get("role") != "smoke" for r in results)
-    out["verdict"] = "fail" if out["failed"] or out["errors"] else ("inconclusive" if undecided else "pass")
+    if out["failed"] or out["errors"]:
+        out["verdict"] = "fail"
+    elif undecided:
+        out["verdict"] = "inconclusive"
+    elif all(s in UNVERIFIED for s in statuses):
+        out["verdict"] = "nothing_verified"
+        out["reason"] = nothing_verified_reason(out)
+    else:
+        out["verdict"] = "pass"
     return out
+
+
+def nothing_verified_reason(summary: Mapping[str, Any]) -> str:
+    """'no check compared anything: 4 not exercised, 0 passed' (skips named when there are any)."""
+    parts = [f"{summary.get('not_exercised', 0)} not exercised"]
+    if summary.get("skipped"):
+        parts.insert(0, f"{summary['skipped']} skipped")
+    return f"no check compared anything: {', '.join(parts)}, {summary.get('passed', 0)} passed"
 
 
 def validate_result(result: Any, where: str = "result") -> None:

@@ -5,7 +5,10 @@ Run directory (reports/<run-id>/ or --report-dir):
     plan.json             the suite text, model and the expanded units, written first
     checks/NNN-<id>.json  one per finished unit, written atomically: a unit is done
                           exactly when its file exists, so --resume after kill -9
-                          skips finished units and runs each unit at most once more
+                          skips finished units and runs each unit at most once more;
+                          each records its provenance (model sha256, suite name and
+                          content hash, plan hash) and a resume refuses a file whose
+                          provenance is not the run's (one copied from another run)
     gates/<unit>/         each quality-gate unit's results as a report of their own
     toggles/<name>/       a diff report per toggle (what a verdict links to)
     report.*              the combined report (json, md, html, junit), written last
@@ -17,6 +20,7 @@ a quality gate that could not start (an endpoint that does not answer) is one to
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 import traceback
@@ -42,15 +46,59 @@ def unit_path(run_dir: Path, unit: Unit) -> Path:
     return run_dir / "checks" / f"{unit.id}.json"
 
 
-def finished(run_dir: Path, unit: Unit) -> list[dict] | None:
-    """The unit's results if its file is complete and belongs to this unit, else None."""
+def provenance(plan: dict) -> dict[str, Any]:
+    """What a checks file must share with the run that reuses it: the model's sha256, the suite
+    (name and content hash) and the plan (hash of its expanded units). Written into every checks
+    file; a resume accepts only files whose provenance equals the current run's."""
+    units = json.dumps(plan["units"], sort_keys=True, separators=(",", ":"), default=str)
+    return {"model_id": plan["model_id"],
+            "suite": {"name": plan["suite"].get("name"),
+                      "sha256": hashlib.sha256(str(plan.get("suite_text", "")).encode("utf-8")).hexdigest()},
+            "plan_sha256": hashlib.sha256(units.encode("utf-8")).hexdigest()}
+
+
+def _provenance_problem(got: Any, want: dict[str, Any]) -> str | None:
+    """What differs between a checks file's provenance and the current run's, or None."""
+    if not isinstance(got, dict):
+        return "it records no model, suite or plan (written by an older k3verify or another tool)"
+    diffs = []
+    if got.get("model_id") != want["model_id"]:
+        diffs.append(f"model {str(got.get('model_id'))[:30]} (this run: {want['model_id'][:30]})")
+    g_suite = got.get("suite") if isinstance(got.get("suite"), dict) else {}
+    if g_suite.get("name") != want["suite"]["name"]:
+        diffs.append(f"suite {g_suite.get('name')!r} (this run: {want['suite']['name']!r})")
+    elif g_suite.get("sha256") != want["suite"]["sha256"]:
+        diffs.append(f"suite content sha256 {str(g_suite.get('sha256'))[:12]} (this run: "
+                     f"{want['suite']['sha256'][:12]})")
+    if got.get("plan_sha256") != want["plan_sha256"]:
+        diffs.append(f"plan sha256 {str(got.get('plan_sha256'))[:12]} (this run: {want['plan_sha256'][:12]})")
+    return "; ".join(diffs) or None
+
+
+def finished(run_dir: Path, unit: Unit, expect: dict[str, Any] | None = None) -> list[dict] | None:
+    """The unit's results if its file is complete and belongs to this unit, else None. With
+    `expect` (provenance(plan)), a complete file of this unit whose model, suite or plan differ is
+    refused (UsageError naming what differs): its results would mix two runs in one report."""
     p = unit_path(run_dir, unit)
     try:
         data = json.loads(p.read_text(encoding="utf-8"))
     except (OSError, ValueError):                 # also a file cut short or not UTF-8: not finished
         return None
     mine = isinstance(data, dict) and isinstance(data.get("unit"), dict) and data["unit"].get("id") == unit.id
-    return data["results"] if mine else None
+    if not mine:
+        return None
+    if expect is not None:
+        problem = _provenance_problem(data.get("provenance"), expect)
+        if problem:
+            raise UsageError(f"cannot resume: {p} is not this run's: {problem}")
+    return data["results"]
+
+
+def check_finished(plan: dict, run_dir: Path) -> None:
+    """Refuse, before any unit runs, a checks file that belongs to another model, suite or plan."""
+    expect = provenance(plan)
+    for unit in plan_units(plan):
+        finished(run_dir, unit, expect)
 
 
 def new_plan(suite: Suite, model_arg: str | None, model, run_id: str, command: str) -> dict[str, Any]:
@@ -111,12 +159,14 @@ def execute(plan: dict, model, run_dir: Path, *, display=None, load_options: dic
     make_dir(run_dir)
     if not (run_dir / "plan.json").is_file():
         atomic_write_json(run_dir / "plan.json", plan)
+    expect = provenance(plan)
+    check_finished(plan, run_dir)            # a foreign checks file: exit 2 before any unit runs
     per_unit: list[list[dict]] = []
     ran = 0
     with Context(model, model_arg=plan["model"], run_dir=run_dir, progress=display,
                  load_options=load_options) as ctx:
         for unit in plan_units(plan):
-            rows = finished(run_dir, unit)
+            rows = finished(run_dir, unit, expect)
             if rows is None:
                 if display:
                     display.start(unit)
@@ -124,7 +174,8 @@ def execute(plan: dict, model, run_dir: Path, *, display=None, load_options: dic
                 rows = [r.tag(unit=unit.id, suite_check=unit.check).to_dict() for r in run_unit(unit, ctx)]
                 if unit.kind in QUALITY_KINDS:
                     _gate_report(plan, run_dir, unit, rows)
-                atomic_write_json(unit_path(run_dir, unit), {"unit": unit.to_dict(), "results": rows,
+                atomic_write_json(unit_path(run_dir, unit), {"unit": unit.to_dict(), "provenance": expect,
+                                                             "results": rows,
                                                              "duration_s": time.perf_counter() - t0,
                                                              "finished": datetime.now(timezone.utc).isoformat()})
                 ran += 1

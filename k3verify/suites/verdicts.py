@@ -21,7 +21,6 @@ import json
 from pathlib import Path
 
 from k3verify.compare import golden
-from k3verify.io import atomic_write_json, atomic_write_text
 from k3verify.report import build_report, environment_fingerprint, validate_report, write_report
 from k3verify.verdict.result import STATUSES
 from optimized_stack import toggles as toggle_registry
@@ -189,11 +188,11 @@ def write_combined(plan: dict, model, run_dir: Path, results: list[dict]) -> tup
     report.update(suite={**plan["suite"], "checks": check_statuses(plan, results)}, verdicts=verdicts,
                   negative_controls=negative_controls(results), model_id=plan["model_id"])
     validate_report(report)
-    paths = write_report(run_dir, report)
+
+    def sections(safe: dict, views: dict[str, str]) -> None:     # in memory: the report is written as one set
+        views["md"] = views["md"].replace("## Results", verdict_markdown(safe) + "## Results", 1)
+        views["html"] = views["html"].replace("<h2>Results</h2>", verdict_html(safe) + "<h2>Results</h2>", 1)
+
+    paths = write_report(run_dir, report, decorate=sections)
     safe = json.loads(paths["json"].read_text(encoding="utf-8"))
-    md = paths["md"].read_text(encoding="utf-8")
-    atomic_write_text(paths["md"], md.replace("## Results", verdict_markdown(safe) + "## Results", 1))
-    page = paths["html"].read_text(encoding="utf-8")
-    atomic_write_text(paths["html"], page.replace("<h2>Results</h2>", verdict_html(safe) + "<h2>Results</h2>", 1))
-    atomic_write_json(paths["json"], safe, allow_nan=False)      # report.json stays the last file written
     return safe, paths

@@ -2,7 +2,8 @@
 
 For an `exact` toggle, one result per check of compare/captures.py EXACT_CHECKS (tokens,
 logits, kda_state, mla_rows): pass when the candidate's capture is bit-identical to the
-reference's, fail with the first divergence, the comparator's findings and the localised
+reference's and at least one item was compared (0 compared is `not exercised`, or a fail when
+the token streams parted before the check could compare), fail with the first divergence, the comparator's findings and the localised
 sublayer when not. For an `approx` toggle, one `drift_budget` result: teacher-forced on the
 reference tokens, max KL, top-1 agreement and max ULP of every logit row, and the final KDA
 state drift, against the declared budget for the model's device and dtype
@@ -16,6 +17,9 @@ a failure (a divergence is evidence whatever fired). Every row carries the count
 (evidence["events"]: declared -> count, "events_missing", "counters": everything that fired,
 and for an engine run "reuse": theoretical reusable prefix vs prefix hits).
 
+A degenerate reference (logits constant over the vocabulary: compare/captures.py
+degenerate_reference) fails every check before the candidate runs: two broken sides agree.
+
 Hashes decide equality; a mismatch is re-run with tensors kept to produce the ULP / KL figures
 (deterministic, so the second run is the first). A non-finite item recorded by either capture
 fails the check that owns it with its location, and a drift budget refuses to judge NaN / inf
@@ -26,8 +30,8 @@ from __future__ import annotations
 import time
 
 from k3verify.capture.capture import Capture
-from k3verify.compare.captures import (EXACT_CHECKS, compare_captures, drift_refused, findings_for, measure_drift,
-                                       nonfinite_finding)
+from k3verify.compare.captures import (EXACT_CHECKS, compare_captures, degenerate_reference, drift_refused,
+                                       findings_for, measure_drift, nonfinite_finding)
 from k3verify.run.runner import Runner
 from k3verify.verdict.result import Result, Subject
 from optimized_stack import toggles as toggle_registry
@@ -145,6 +149,14 @@ def check_toggle(model, toggle_name: str, scenario, *, localize_failures: bool =
     from k3verify.scenarios.answers import realized
     scenario = realized(model, scenario)        # multi-turn histories carry the model's real answers
     ref = runner.reference(scenario)
+    broken = degenerate_reference(ref, scenario.name)
+    if broken is not None:
+        # both sides of a broken model agree (max KL 0, the same NUL stream): no check may pass on it
+        checks = EXACT_CHECKS if contract.kind == "exact" else ("drift_budget",)
+        finding = {"what": "degenerate_reference", "message": broken["reason"], **broken["first"]}
+        return [Result.failed(subject, c, broken["reason"], scenario=scenario.name, findings=[finding],
+                              first_divergence=broken["first"], duration_s=time.perf_counter() - t0,
+                              evidence={"degenerate_reference": broken["first"]}) for c in checks]
     # localisation replays on the single-process model, where a TP toggle changes nothing
     localize_failures = localize_failures and runner.world_size == 1
     if contract.kind == "approx":
@@ -186,6 +198,9 @@ def check_toggle(model, toggle_name: str, scenario, *, localize_failures: bool =
     results = []
     for check in EXACT_CHECKS:
         v = verdicts[check]
+        if v["equal"] and not v["compared"]:
+            results.append(_nothing_compared(subject, check, scenario.name, verdicts["tokens"], duration, evidence))
+            continue
         if v["equal"]:
             results.append(unexercised(Result.passed(subject, check, f"bit-identical ({v['compared']} compared)",
                                                      scenario=scenario.name, duration_s=duration),
@@ -197,6 +212,24 @@ def check_toggle(model, toggle_name: str, scenario, *, localize_failures: bool =
                                      first_divergence=v["first"], localization=loc, duration_s=duration,
                                      evidence={**evidence, **({"nonfinite": v["first"]} if v["nonfinite"] else {})}))
     return results
+
+
+_COMPARED = {"tokens": "token streams", "logits": "logits rows", "kda_state": "KDA state points",
+             "mla_rows": "MLA cache layers"}
+
+
+def _nothing_compared(subject: Subject, check: str, scenario_name: str, tokens: dict, duration: float,
+                      evidence: dict) -> Result:
+    """A check with 0 hashes compared is never a pass: a fail when the token streams parted
+    before it could compare (MLA rows are comparable only on identical streams), else `not
+    exercised` (nothing of its kind was captured here)."""
+    if not tokens["equal"]:
+        return Result.failed(subject, check, f"0 {_COMPARED[check]} compared: not comparable after "
+                             f"{tokens['reason']}", scenario=scenario_name, first_divergence=tokens["first"],
+                             duration_s=duration, evidence=evidence)
+    return Result.not_exercised(subject, check, f"nothing compared: 0 {_COMPARED[check]} captured on "
+                                f"{scenario_name}", scenario=scenario_name, duration_s=duration,
+                                evidence=evidence)
 
 
 def _state_over(evidence: dict, contract) -> dict | None:
