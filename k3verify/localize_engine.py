@@ -233,6 +233,11 @@ class _ReferenceWalk:
         self.grid = grid_in_force(model.device)
         self._states = {0: model.new_state()}
 
+    def put(self, s: int, st) -> None:
+        """A state at token s computed on the reference path elsewhere (a judged computation's
+        forward over the reference's own tokens): saves walking there again."""
+        self._states.setdefault(s, st.clone())
+
     def state_at(self, s: int):
         if s not in self._states:
             c = max(k for k in self._states if k <= s)
@@ -315,6 +320,8 @@ def _judge(model, c: _Computation, walk: _ReferenceWalk, seq: list[int], ref_ops
     ids = torch.tensor(c.ids, dtype=torch.long)
     with model.probe(probe):
         logits = model.forward(ids, st)
+    if c.nondraft == len(c.ids) and c.ids == seq[c.start:c.start + len(c.ids)]:
+        walk.put(c.start + len(c.ids), st)
     if c.kind == "segment":
         for key in order:
             if key in c.rows and c.rows[key] != rec[key]:
