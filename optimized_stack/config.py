@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from . import hf_config as hf
+from . import safe_load
 from .errors import ConfigError
 from .hf_config import KDA, MLA, is_int
 
@@ -135,7 +136,7 @@ class K3Config:
         if not path.is_file():
             raise ConfigError(f"config.json not found: expected a file at {path}")
         try:
-            data = json.loads(path.read_text())
+            data = safe_load.read_json(path, error=ConfigError)   # bounded: depth, int size, UTF-8
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
         return cls.from_hf(data)

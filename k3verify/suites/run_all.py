@@ -17,7 +17,6 @@ a quality gate that could not start (an endpoint that does not answer) is one to
 """
 from __future__ import annotations
 
-import json
 import time
 import traceback
 from datetime import datetime, timezone
@@ -27,7 +26,7 @@ from typing import Any, Callable
 from k3verify import kinds
 from k3verify.compare import golden
 from k3verify.errors import UsageError
-from k3verify.io import atomic_write_json, make_dir
+from k3verify.io import ReadError, atomic_write_json, make_dir, read_json
 from k3verify.kinds.base import QUALITY_KINDS, Context, Unit
 from k3verify.report import build_report, write_report
 from k3verify.suites.suite import Suite, expand
@@ -46,8 +45,8 @@ def finished(run_dir: Path, unit: Unit) -> list[dict] | None:
     """The unit's results if its file is complete and belongs to this unit, else None."""
     p = unit_path(run_dir, unit)
     try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, ValueError):                 # also a file cut short or not UTF-8: not finished
+        data = read_json(p)
+    except (OSError, ValueError, ReadError):      # also a file cut short, not UTF-8 or too deep: not finished
         return None
     mine = isinstance(data, dict) and isinstance(data.get("unit"), dict) and data["unit"].get("id") == unit.id
     return data["results"] if mine else None
@@ -67,8 +66,10 @@ def plan_units(plan: dict) -> list[Unit]:
 def load_plan(run_dir: Path) -> dict[str, Any]:
     p = run_dir / "plan.json"
     try:
-        plan = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, ValueError):                 # ValueError: not JSON, or not UTF-8
+        plan = read_json(p)
+    except ReadError as exc:                      # too deep, a huge integer, not UTF-8: says which, where
+        raise UsageError(f"cannot resume: no readable plan at {exc}") from None
+    except (OSError, ValueError):                 # ValueError: not JSON
         raise UsageError(f"cannot resume: no readable plan at {p} (expected a run directory of `k3verify all`)") from None
     if not isinstance(plan, dict) or plan.get("format") != PLAN_FORMAT or plan.get("version") != PLAN_VERSION:
         got = f"{plan.get('format')!r} v{plan.get('version')}" if isinstance(plan, dict) else type(plan).__name__

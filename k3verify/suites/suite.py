@@ -36,6 +36,7 @@ from typing import Any
 
 from k3verify import REPO_ROOT, kinds
 from k3verify.errors import UsageError
+from k3verify.io import loads_toml
 from k3verify.kinds.base import COMMON_KEYS, CheckSpec, Unit, hint
 
 SUITE_VERSION = 2
@@ -82,7 +83,7 @@ def suite_path(name_or_path: str) -> Path:
 def parse_suite(text: str, name: str = "<suite>", path: str = "<string>") -> Suite:
     """Validate suite TOML text; every problem is one UsageError line naming the file and check."""
     try:
-        data = tomllib.loads(text)
+        data = loads_toml(text, path)            # bounded: depth, int size
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"{path}: not valid TOML ({exc})") from None
     unknown = sorted(set(data) - set(_TOP_KEYS))
