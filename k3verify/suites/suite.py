@@ -102,6 +102,9 @@ def parse_suite(text: str, name: str = "<suite>", path: str = "<string>") -> Sui
         where = f"{path}: check {i}"
         if not isinstance(c, dict) or "kind" not in c:
             raise UsageError(f"{where}: every [[check]] needs kind = one of {', '.join(kinds.names())}")
+        if not isinstance(c["kind"], str):
+            raise UsageError(f"{where}: expected kind to be a string, one of {', '.join(kinds.names())}; "
+                             f"got a {type(c['kind']).__name__}")
         options = {k: v for k, v in c.items() if k not in COMMON_KEYS}
         cname = str(c.get("name") or c["kind"])
         if cname in names:
