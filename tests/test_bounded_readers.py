@@ -10,8 +10,11 @@ test input really does crash), and a valid file of each kind still loads.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -185,3 +188,62 @@ def test_cli_exits_2_with_one_line(tmp_path, capsys, defect):
         code, err = _cli(capsys, *argv)
         assert code == 2 and err.count("\n") == 1 and err.startswith("k3verify: error: "), (argv[0], code, err)
     assert not (tmp_path / "signoff.md").exists() and not (tmp_path / "out" / "report.json").exists()
+
+
+# ---- the campaign's other tracebacks: each one line and exit 2 (a broken pipe: quiet exit 1) ------
+
+def test_suite_kind_that_is_not_a_string_is_one_line(tmp_path, capsys):
+    suite = tmp_path / "suite.toml"
+    suite.write_text('version = 2\n[[check]]\nkind = ["diff"]\n')
+    with pytest.raises(UsageError, match=r"suite.toml: check 1: expected kind to be a string, one of .*diff.*; got a list"):
+        load_suite(str(suite))
+    code, err = _cli(capsys, "all", "--suite", suite, "--report-dir", tmp_path / "out")
+    assert code == 2 and err.count("\n") == 1, err
+    suite.write_text('version = 2\n[[check]]\nkind = "selftest"\n')       # negative control: a string kind loads
+    assert load_suite(str(suite)).checks[0].kind == "selftest"
+
+
+@pytest.mark.parametrize("url, reason", [("http://[::1/v1", "Invalid IPv6 URL"),
+                                         ("http://h:x/v1", "Port could not be cast"),
+                                         ("http://h:99999/v1", "Port out of range")],
+                         ids=["ipv6-unclosed", "port-not-a-number", "port-out-of-range"])
+@pytest.mark.parametrize("command", ["kvv", "gsm8k"])
+def test_base_url_that_urllib_cannot_parse_is_one_line(tmp_path, capsys, command, url, reason):
+    code, err = _cli(capsys, command, "--base-url", url, "--report-dir", tmp_path / "out")
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"--base-url must be an http(s) URL with a host, like http://127.0.0.1:8000/v1, got {url!r} ({reason}" in err
+
+
+def test_a_good_base_url_passes_validation():
+    """Negative control: the same validation accepts an IPv6 loopback URL with a port."""
+    from k3verify.kinds import gsm8k, kvv
+
+    assert gsm8k.completions_url("http://[::1]:8000/v1") == "http://[::1]:8000/v1/completions"
+    kvv.validate({**kvv.OPTIONS, "base_url": "http://[::1]:8000/v1"})
+    with pytest.raises(UsageError):
+        kvv.validate({**kvv.OPTIONS, "base_url": "http://[::1:8000/v1"})
+
+
+def _shell(command: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(["bash", "-c", command], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+K3 = f"{sys.executable} -m k3verify"
+
+
+def test_closed_stdout_is_refused_in_one_line_before_any_work():
+    r = _shell(f"{K3} toggles >&-")
+    assert r.returncode == 2, r
+    assert r.stderr == "k3verify: error: stdout is closed: nothing could be printed (to discard the output: >/dev/null)\n"
+    r = _shell(f"{K3} toggles >/dev/null")                                  # negative control: open stdout
+    assert r.returncode == 0 and r.stderr == "", r
+
+
+@pytest.mark.parametrize("json_flag", ["", "--json"], ids=["table", "json"])
+def test_a_reader_that_goes_away_is_a_quiet_exit_1(json_flag):
+    """`| true` closes the pipe before k3verify (seconds to start) writes: rich's tables and
+    the plain JSON writer both meet EPIPE; each ends quietly with 1, no traceback, no message."""
+    r = _shell(f'{K3} toggles {json_flag} 2>/tmp/k3v-pipe-$$.err | true; echo "rc=${{PIPESTATUS[0]}}"; '
+               f'grep -v "^[│┃┏┡└ ]" /tmp/k3v-pipe-$$.err; rm -f /tmp/k3v-pipe-$$.err')
+    assert r.stdout == "rc=1\n", r
