@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import os
 import pkgutil
 import sys
 from types import ModuleType
@@ -27,6 +28,9 @@ from k3verify.io import check_writable_dir, check_writable_file
 
 PROG = "k3verify"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+# A reader of stdout that went away: quiet exit 1, as cat does and as rich's Console already does for
+# the tables (on_broken_pipe), so every command ends the same way whichever writer met the pipe.
+EXIT_BROKEN_PIPE = 1
 _REQUIRED = ("NAME", "HELP", "add_arguments", "run")
 
 
@@ -90,6 +94,9 @@ def _unknown_command(word: str, known: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if sys.stdout is None:                  # started with fd 1 closed (`k3verify toggles >&-`), as cat refuses:
+        # nothing has run, so nothing is lost; a file opened later could even take fd 1.
+        return _error("stdout is closed: nothing could be printed (to discard the output: >/dev/null)")
     from optimized_stack.numerics import mkl_state
     if mkl_state().get("error"):            # a bad K3_MKL_CBWR: the reference's bits would be unpinned
         return _error(str(mkl_state()["error"]))
@@ -113,6 +120,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         with commands.json_output(json_mode) as sink:
             check_outputs(args)
             code = args._run(args)
+        sys.stdout.flush()                 # the real stdout again: a reader that went away shows here, not at exit
+    except BrokenPipeError:                # `k3verify ... | head -1`: the reader has what it wanted
+        _quiet_stdout()
+        return EXIT_BROKEN_PIPE
     except (K3Error, UsageError) as exc:
         return _error(_one_line(exc))
     except FileNotFoundError as exc:
@@ -147,6 +158,17 @@ def check_outputs(args) -> None:
             claim_report_dir(args.report_dir, None)
     if getattr(args, "out", None) is not None:
         check_writable_file(args.out, "--out")
+
+
+def _quiet_stdout() -> None:
+    """Point fd 1 at /dev/null, so the interpreter's last flush of a broken pipe is silent too
+    (Python's documented recipe for SIGPIPE); a stdout without a file descriptor needs nothing."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def _one_line(exc: BaseException) -> str:

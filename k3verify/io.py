@@ -12,6 +12,12 @@ An OSError while writing (read-only directory, a path under a regular file, disk
 full) becomes WriteError: still an OSError, and a UsageError so the CLI prints one
 line and exits 2. check_writable_dir / check_writable_file refuse such a location
 before a run starts, so a long run does not die at its end.
+
+Reading is bounded: read_json / loads_toml (optimized_stack.safe_load, here with
+ReadError) refuse nesting deeper than 64 levels, integers over 300 digits and bytes that
+are not UTF-8 in one line naming the file, where Python's parsers would raise a
+RecursionError or the 4,300-digit ValueError. Every k3verify reader of a JSON or TOML file
+uses them.
 """
 
 from __future__ import annotations
@@ -22,7 +28,24 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from optimized_stack import safe_load
+
 from k3verify.errors import UsageError
+
+
+class ReadError(UsageError):
+    """A file outside the readers' bounds (too deep, a huge integer, not UTF-8). Not a
+    ValueError, so a caller's `except ValueError` (a file cut short) does not hide it."""
+
+
+def read_json(path: str | os.PathLike, source: str | None = None) -> object:
+    """The JSON in a file, bounded (ReadError); OSError and json.JSONDecodeError pass through."""
+    return safe_load.read_json(path, source, error=ReadError)
+
+
+def loads_toml(text: str, source: str) -> dict:
+    """tomllib.loads, bounded (ReadError); tomllib.TOMLDecodeError passes through."""
+    return safe_load.loads_toml(text, source, error=ReadError)
 
 
 class WriteError(OSError, UsageError):

@@ -20,6 +20,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from . import safe_load
 from .config import K3Config
 from .errors import CheckpointError
 from .model.model import K3Model
@@ -60,8 +61,8 @@ def _read_index(path: Path) -> dict[str, set[str]]:
     """shard file -> the tensor names the index maps to it; shards must exist inside path."""
     index = path / INDEX
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        weight_map = safe_load.read_json(index, error=CheckpointError)["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{index}: expected JSON with a 'weight_map', got {exc!r}") from None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{index}: expected 'weight_map' to map tensor names to shard file names, "
@@ -102,7 +103,7 @@ def _what_is_wrong(file: Path, exc: Exception) -> str:
             return (f"expected a safetensors file, got one whose first 8 bytes declare a {n:,}-byte header "
                     f"but only {size - 8:,} bytes follow (not safetensors, or truncated inside the header)")
         try:
-            header = json.loads(f.read(n))
+            header = safe_load.loads_json(f.read(n), str(file))
             end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
         except (ValueError, KeyError, TypeError, IndexError, AttributeError):
             return "expected a safetensors file, got a header that is not safetensors JSON"

@@ -5,17 +5,26 @@ the K3 multimodal wrapper (the same fields nested under `text_config`); which ke
 what, their types and how conflicts are settled live in hf_config.py.
 
 Everything is validated on construction; a bad field fails with one line naming the
-field, what was expected and what arrived.
+field, what was expected and what arrived. Values are range-checked, not only typed: a
+config that parses but describes a broken model (rms_norm_eps 1e999 is inf in JSON, a
+routed scaling of -1e30, a -inf gate bound) loaded before, and every check downstream
+then compared one broken output with another (KL 0, a pass; generate printed NUL bytes).
+Size bounds are far above any released Kimi / K3 shape (K3: hidden 7168, vocab 163,840)
+and only keep arithmetic sane; what a machine can hold is the memory estimate's job
+(check_fits_in_memory, before from_file's caller allocates a parameter).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from . import hf_config as hf
+from . import safe_load
 from .errors import ConfigError
 from .hf_config import KDA, MLA, is_int
 
@@ -94,7 +103,7 @@ class K3Config:
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             value = getattr(self, name)
             _check(0 <= value < self.vocab_size, name, f"0..{self.vocab_size - 1}", value)
-        _check(self.rms_norm_eps > 0, "rms_norm_eps", "> 0", self.rms_norm_eps)
+        _check_ranges(self)
 
     # ---- derived shapes -------------------------------------------------------------
     @property
@@ -135,10 +144,12 @@ class K3Config:
         if not path.is_file():
             raise ConfigError(f"config.json not found: expected a file at {path}")
         try:
-            data = json.loads(path.read_text())
+            data = safe_load.read_json(path, error=ConfigError)   # bounded: depth, int size, UTF-8
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-        return cls.from_hf(data)
+        cfg = cls.from_hf(data)
+        cfg.check_fits_in_memory()          # every caller builds a model from it next
+        return cfg
 
     @classmethod
     def from_hf(cls, data: dict[str, Any]) -> "K3Config":
@@ -189,10 +200,103 @@ class K3Config:
     def replace(self, **changes: Any) -> "K3Config":
         return dataclasses.replace(self, **changes)
 
+    # ---- memory ----------------------------------------------------------------------------
+    def parameter_count(self) -> int:
+        """Parameters of K3Model(self), counted from the shapes (model/*.py), without building it."""
+        d, v = self.hidden_size, self.vocab_size
+        h, kd = self.kda_num_heads, self.kda_head_dim
+        hk = h * kd
+        kda = (3 * d * hk + 3 * hk * self.kda_conv_size + d * kd + kd * hk + max(h, kd) + hk + d * h
+               + (d * hk if self.kda_full_rank_gate else d * kd + kd * hk) + kd + hk * d)
+        qh = self.qk_head_dim * self.num_heads
+        q = d * qh if self.q_lora_rank is None else d * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * qh
+        vh = self.num_heads * self.v_head_dim
+        mla = (q + d * self.mla_cache_width + self.kv_lora_rank
+               + self.kv_lora_rank * self.num_heads * (self.qk_nope_head_dim + self.v_head_dim)
+               + (d * vh if self.mla_output_gate else 0) + vh * d)
+        dense = 3 * d * self.intermediate_size
+        latent = self.routed_expert_hidden_size
+        moe = (self.num_experts * (d + 1) + self.num_experts * 3 * (latent or d) * self.moe_intermediate_size
+               + (2 * d * latent + latent if latent is not None else 0)
+               + 3 * d * self.num_shared_experts * self.moe_intermediate_size)
+        res = 4 * d if self.attn_res_block_size is not None else 0    # two read-param pairs per layer
+        layers = sum(2 * d + (kda if kind == KDA else mla) + (moe if self.is_moe_layer(i) else dense) + res
+                     for i, kind in enumerate(self.layer_kinds))
+        return 2 * v * d + layers + d + (2 * d if self.attn_res_block_size is not None else 0)
+
+    def check_fits_in_memory(self, bytes_per_parameter: int = 4, available: int | None = None) -> None:
+        """Refuse, before anything is allocated, a model whose parameters alone (float32 as built)
+        exceed the memory available now; ConfigError names the estimate."""
+        need = self.parameter_count() * bytes_per_parameter
+        have, source = available_memory() if available is None else (available, "given")
+        if need > have:
+            raise ConfigError(f"config: the model's parameters need about {_bytes(need)} ({self.parameter_count():,} "
+                              f"parameters x {bytes_per_parameter} bytes), more than the {_bytes(have)} of memory "
+                              f"available ({source}); refused before allocating")
+
 
 def _check(ok: bool, name: str, expected: str, got: Any) -> None:
     if not ok:
         raise ConfigError(f"config field '{name}': expected {expected}, got {got!r}")
+
+
+# field -> the largest value accepted (the smallest is 1; qk_rope_head_dim and num_experts /
+# num_shared_experts may be 0). Each is >= 8x the largest released Kimi / K3 / DeepSeek shape.
+SIZE_LIMITS: dict[str, int] = {
+    "vocab_size": 1 << 22, "hidden_size": 1 << 16, "num_layers": 1024, "kda_num_heads": 1024,
+    "kda_head_dim": 4096, "kda_conv_size": 64, "num_heads": 1024, "q_lora_rank": 1 << 16,
+    "kv_lora_rank": 1 << 16, "qk_nope_head_dim": 4096, "qk_rope_head_dim": 4096, "v_head_dim": 4096,
+    "intermediate_size": 1 << 20, "num_experts": 4096, "num_shared_experts": 4096,
+    "moe_intermediate_size": 1 << 20, "routed_expert_hidden_size": 1 << 16, "attn_res_block_size": 1024,
+}
+MAX_EPS = 0.1              # an rms-norm eps is 1e-5 / 1e-6; at 0.1 it already rescales the activations
+MAX_ROUTED_SCALING = 1e3   # released models use 1 to 2.5; 1e30 overflows float32 outputs
+
+
+def _check_ranges(cfg: K3Config) -> None:
+    for name, limit in SIZE_LIMITS.items():
+        value = getattr(cfg, name)
+        if value is None and name in ("q_lora_rank", "routed_expert_hidden_size", "attn_res_block_size"):
+            continue
+        low = 0 if name in ("qk_rope_head_dim", "num_experts", "num_shared_experts") else 1
+        _check(is_int(value) and low <= value <= limit, name, f"an integer in {low}..{limit:,}", value)
+    for name in ("kda_gate_lower_bound", "routed_scaling_factor", "situ_beta", "situ_linear_beta",
+                 "rms_norm_eps", "lora_norm_eps"):
+        value = getattr(cfg, name)
+        if value is None and name == "lora_norm_eps":
+            continue
+        shown = "gate_lower_bound" if name == "kda_gate_lower_bound" else name    # its config.json key
+        _check(_is_real(value) and math.isfinite(value), shown, "a finite number", value)
+    for name in ("rms_norm_eps", "lora_norm_eps"):
+        value = getattr(cfg, name)
+        if value is not None:
+            _check(0 < value <= MAX_EPS, name, f"a small positive epsilon, 0 < eps <= {MAX_EPS}", value)
+    _check(0 < cfg.routed_scaling_factor <= MAX_ROUTED_SCALING, "routed_scaling_factor",
+           f"a positive number <= {MAX_ROUTED_SCALING:g}", cfg.routed_scaling_factor)
+
+
+def _is_real(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def available_memory() -> tuple[int, str]:
+    """(bytes, where the number came from): MemAvailable (free + reclaimable now) where Linux
+    reports it, else the machine's physical memory."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "physical memory"
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("EiB", 1 << 60), ("PiB", 1 << 50), ("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n / 1024:.1f} KiB"
 
 
 def _from_hf(data: dict[str, Any]) -> K3Config:

@@ -39,7 +39,7 @@ from k3verify.capture.capture import Capture
 from k3verify.compare import primitive_probe
 from k3verify.compare.captures import EXACT_CHECKS, compare_captures
 from k3verify.errors import UsageError
-from k3verify.io import atomic_write_json
+from k3verify.io import atomic_write_json, read_json
 from k3verify.report.environment import model_fingerprint
 from k3verify.run.sequential import run_scenario
 from k3verify.scenarios import workloads
@@ -150,8 +150,8 @@ def record(model, reason: str, directory: Path = GOLDEN_DIR) -> Path:
 def _read(path: Path) -> dict[str, Any]:
     """The golden file, its structure checked: every problem is one UsageError line."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        data = read_json(path)                   # bounded: ReadError names the file and the problem
+    except (OSError, json.JSONDecodeError) as exc:
         raise UsageError(f"{path}: not a readable golden hash file ({exc})") from None
     if not isinstance(data, dict):
         raise UsageError(f"{path}: expected a JSON object ({GOLDEN_FORMAT}), got a JSON {type(data).__name__}")

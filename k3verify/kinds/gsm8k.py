@@ -31,7 +31,12 @@ SETUP_S = 10.0                  # lm-eval set-up per side (progress only)
 
 def completions_url(base_url: str) -> str:
     """http://host:port/v1 (or .../v1/completions) -> the completions URL lm-eval posts to."""
-    parsed = urlparse(str(base_url))
+    try:
+        parsed = urlparse(str(base_url))
+        parsed.port                      # parsed lazily: "http://h:x/v1" raises only here
+    except ValueError as exc:            # urllib's "Invalid IPv6 URL", a port that is not a number
+        raise OptionError("base_url", f"must be an http(s) URL with a host, like http://127.0.0.1:8000/v1, "
+                                      f"got {base_url!r} ({exc})") from None
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
         raise OptionError("base_url", f"must be an http(s) URL with a host, like http://127.0.0.1:8000/v1, "
                                       f"got {base_url!r}")

@@ -26,7 +26,12 @@ KVV_S = 60.0          # against the served model on the 2-core dev CPU (progress
 
 def validate(o: dict) -> None:
     if o["base_url"] is not None:
-        url = urlparse(str(o["base_url"]))
+        try:
+            url = urlparse(str(o["base_url"]))
+            url.port                     # parsed lazily: "http://h:x/v1" raises only here
+        except ValueError as exc:        # urllib's "Invalid IPv6 URL", a port that is not a number
+            raise OptionError("base_url", f"must be an http(s) URL with a host, like http://127.0.0.1:8000/v1, "
+                                          f"got {o['base_url']!r} ({exc})") from None
         if url.scheme not in ("http", "https") or not url.netloc:
             raise OptionError("base_url", f"must be an http(s) URL with a host, like http://127.0.0.1:8000/v1, "
                                           f"got {o['base_url']!r}")

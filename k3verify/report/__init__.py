@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from k3verify.errors import UsageError
-from k3verify.io import atomic_write_set, make_dir
+from k3verify.io import ReadError, atomic_write_set, make_dir, read_json
 from k3verify.report.environment import environment_fingerprint
 from k3verify.report.render_html import render_html
 from k3verify.report.render_junit import render_junit
@@ -118,8 +118,8 @@ def run_owner(directory: str | os.PathLike) -> tuple[str, str] | None:
         if not p.exists():
             continue
         try:
-            data = json.loads(p.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            data = read_json(p)
+        except (OSError, ValueError, ReadError):
             return ("?", f"an unreadable {name}")
         if not isinstance(data, dict):
             return ("?", f"a {name} that is not a run's")
@@ -148,8 +148,8 @@ def load_report(path: str | os.PathLike) -> dict[str, Any]:
     if not p.is_file():
         raise UsageError(f"no report at {p}: expected a report.json file or a run directory holding one")
     try:
-        obj = json.loads(p.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        obj = read_json(p)                       # bounded: ReadError names the file and the problem
+    except json.JSONDecodeError as exc:
         raise UsageError(f"{p}: not valid JSON ({exc})") from None
     try:
         validate_report(obj)

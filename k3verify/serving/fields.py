@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import difflib
 
-from jsonschema import Draft202012Validator
-from jsonschema.exceptions import SchemaError
 
 
 
@@ -92,7 +90,11 @@ def check_seed(seed) -> int | None:
 
 
 def check_json_schema(schema, at: str) -> None:
-    """A real JSON Schema (draft 2020-12 meta-schema, formats such as regex patterns included)."""
+    """A real JSON Schema (draft 2020-12 meta-schema, formats such as regex patterns included).
+    jsonschema is imported here, not at module level: the CLI imports the server's modules, and
+    a machine that only runs checks (the GPU image) need not have it."""
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import SchemaError
     try:
         Draft202012Validator.check_schema(schema)
     except SchemaError as e:

@@ -31,7 +31,7 @@ from typing import Any, Callable
 from k3verify import kinds
 from k3verify.compare import golden
 from k3verify.errors import UsageError
-from k3verify.io import atomic_write_json, make_dir
+from k3verify.io import ReadError, atomic_write_json, make_dir, read_json
 from k3verify.kinds.base import QUALITY_KINDS, Context, Unit
 from k3verify.report import build_report, write_report
 from k3verify.suites.suite import Suite, expand
@@ -81,8 +81,8 @@ def finished(run_dir: Path, unit: Unit, expect: dict[str, Any] | None = None) ->
     refused (UsageError naming what differs): its results would mix two runs in one report."""
     p = unit_path(run_dir, unit)
     try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, ValueError):                 # also a file cut short or not UTF-8: not finished
+        data = read_json(p)
+    except (OSError, ValueError, ReadError):      # also a file cut short, not UTF-8 or too deep: not finished
         return None
     mine = isinstance(data, dict) and isinstance(data.get("unit"), dict) and data["unit"].get("id") == unit.id
     if not mine:
@@ -115,8 +115,10 @@ def plan_units(plan: dict) -> list[Unit]:
 def load_plan(run_dir: Path) -> dict[str, Any]:
     p = run_dir / "plan.json"
     try:
-        plan = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, ValueError):                 # ValueError: not JSON, or not UTF-8
+        plan = read_json(p)
+    except ReadError as exc:                      # too deep, a huge integer, not UTF-8: says which, where
+        raise UsageError(f"cannot resume: no readable plan at {exc}") from None
+    except (OSError, ValueError):                 # ValueError: not JSON
         raise UsageError(f"cannot resume: no readable plan at {p} (expected a run directory of `k3verify all`)") from None
     if not isinstance(plan, dict) or plan.get("format") != PLAN_FORMAT or plan.get("version") != PLAN_VERSION:
         got = f"{plan.get('format')!r} v{plan.get('version')}" if isinstance(plan, dict) else type(plan).__name__

@@ -36,6 +36,7 @@ from typing import Any
 
 from k3verify import REPO_ROOT, kinds
 from k3verify.errors import UsageError
+from k3verify.io import loads_toml
 from k3verify.kinds.base import COMMON_KEYS, CheckSpec, Unit, hint
 
 SUITE_VERSION = 2
@@ -82,7 +83,7 @@ def suite_path(name_or_path: str) -> Path:
 def parse_suite(text: str, name: str = "<suite>", path: str = "<string>") -> Suite:
     """Validate suite TOML text; every problem is one UsageError line naming the file and check."""
     try:
-        data = tomllib.loads(text)
+        data = loads_toml(text, path)            # bounded: depth, int size
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"{path}: not valid TOML ({exc})") from None
     unknown = sorted(set(data) - set(_TOP_KEYS))
@@ -101,6 +102,9 @@ def parse_suite(text: str, name: str = "<suite>", path: str = "<string>") -> Sui
         where = f"{path}: check {i}"
         if not isinstance(c, dict) or "kind" not in c:
             raise UsageError(f"{where}: every [[check]] needs kind = one of {', '.join(kinds.names())}")
+        if not isinstance(c["kind"], str):
+            raise UsageError(f"{where}: expected kind to be a string, one of {', '.join(kinds.names())}; "
+                             f"got a {type(c['kind']).__name__}")
         options = {k: v for k, v in c.items() if k not in COMMON_KEYS}
         cname = str(c.get("name") or c["kind"])
         if cname in names:

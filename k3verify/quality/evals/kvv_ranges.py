@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from optimized_stack import safe_load
 from optimized_stack.errors import K3Error
 
 RANGES_VERSION = 1
@@ -120,12 +121,12 @@ def import_kvv_results(path) -> dict:
     p = Path(path)
     source = str(p)
     try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
+        text = safe_load.decode_utf8(p.read_bytes(), source)
+    except OSError as e:
         raise K3Error(f"{source}: cannot read KVV results ({type(e).__name__}: {e})") from None
     if p.suffix.lower() == ".json" or text.lstrip().startswith(("{", "[")):
         try:
-            pairs = _pairs_from_json(json.loads(text), source)
+            pairs = _pairs_from_json(safe_load.loads_json(text, source), source)   # bounded: depth, int size
         except json.JSONDecodeError as e:
             raise K3Error(f"{source}: expected JSON, parse error at line {e.lineno}: {e.msg}") from None
     else:
