@@ -91,14 +91,19 @@ def judge_on_grid(model, refs, m, scenarios: tuple[str, ...]) -> dict[str, Any]:
     tried = []
     for name in scenarios:
         sc = workloads.build(name, scale=1.0)
-        results = check_toggle(model, m.name, sc, runner=refs, localize_failures=False)
+        results = check_toggle(model, m.name, sc, runner=refs)
         if results and all(r.status == "skip" for r in results):      # e.g. its path cannot run on the grid
             return {"toggle": m.name, "status": "skip", "scenario": name, "reason": results[0].reason}
         failed = {r.check for r in results if r.status == "fail"}
         tried.append(f"{name}: {sorted(failed) or 'nothing failed'}")
         if failed & set(m.caught_by):
+            where = next((r.localization for r in results if r.localization), None) or {}
+            found = where.get("component")
             return {"toggle": m.name, "status": "pass", "scenario": name,
-                    "reason": f"caught by {', '.join(sorted(failed & set(m.caught_by)))} on {name} (full scale)"}
+                    "reason": f"caught by {', '.join(sorted(failed & set(m.caught_by)))} on {name} (full scale); "
+                              f"localised to {found}",
+                    "evidence": {"localisation": {"lives_in": m.lives_in, "found": found,
+                                                  "exact": m.lives_in is not None and found == m.lives_in}}}
     return {"toggle": m.name, "status": "fail", "scenario": ",".join(scenarios),
             "reason": "not caught on the grid scenarios (" + "; ".join(tried) + "): its path is not reached on the "
                       "64-token grid, where hits need aligned checkpoints"}
