@@ -92,8 +92,7 @@ DIMS_NEEDED = {
 def impossible(declared: tuple[str, ...] | list[str], grid: int | None, config=None) -> dict[str, str]:
     """The declared events that cannot fire on this KDA grid (none off the grid) or at this model's
     dims (`config`, a K3Config), with why."""
-    out = {e: "on the 64-token KDA grid: " + OFF_GRID_IMPOSSIBLE[e]
-           for e in declared if grid and e in OFF_GRID_IMPOSSIBLE}
+    out = {e: OFF_GRID_IMPOSSIBLE[e] for e in declared if grid and e in OFF_GRID_IMPOSSIBLE}
     for e in declared:
         if config is not None and e in DIMS_NEEDED:
             field, width = DIMS_NEEDED[e]

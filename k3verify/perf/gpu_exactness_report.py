@@ -21,8 +21,8 @@ def slim(item: dict[str, Any]) -> dict[str, Any]:
 def _localisation(muts: list[dict[str, Any]]) -> dict[str, Any]:
     """The selftest's localisation figure (suites/verdicts.localisation) over the GPU's mutant rows."""
     from k3verify.suites.verdicts import localisation
-    return localisation([{"kind": "mutant", "caught": m.get("caught"), "evidence": {"localisation": m.get("localisation")}}
-                         for m in muts])
+    return localisation([{"kind": "mutant", "caught": m.get("caught"), "evidence": {
+        "localisation": m.get("localisation") or (m.get("evidence") or {}).get("localisation")}} for m in muts])
 
 
 def summary(doc: dict[str, Any]) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from k3verify.compare.captures import (EXACT_CHECKS, compare_captures, degenerat
 from k3verify.run.runner import Runner
 from k3verify.verdict.result import Result, Subject
 from optimized_stack import toggles as toggle_registry
+from optimized_stack.events import OFF_GRID_IMPOSSIBLE
 from optimized_stack.events import impossible as impossible_events
 from optimized_stack.events import missing as missing_events
 from optimized_stack.kernels.kda.grid import grid_in_force
@@ -57,7 +58,8 @@ def applies(toggle, scenario, device: str = "cpu", world_size: int = 1, config=N
     if toggle.kind == "mutant" and toggle.events and len(cannot) == len(toggle.events):
         # a seeded fault whose path cannot run here cannot be caught here; an optimization
         # like it is still run (switched on it must change no bit) and reads `not exercised`
-        return f"not applicable {next(iter(cannot.values()))}"
+        event, why = next(iter(cannot.items()))
+        return f"not applicable {'on the 64-token KDA grid: ' if event in OFF_GRID_IMPOSSIBLE else ''}{why}"
     if toggle.scenario_tags and not set(toggle.scenario_tags) & set(scenario.tags):
         return f"toggle applies to scenarios tagged {', '.join(toggle.scenario_tags)}"
     return None
