@@ -122,9 +122,21 @@ def model_load_options(args) -> dict[str, bool]:
             "allow_dtype_cast": getattr(args, "allow_weight_cast", False)}
 
 
+DTYPES = ("float32", "bfloat16")
+
+
 def add_device_flag(parser) -> None:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="where the model runs (CUDA-only toggles are judged only on cuda); default cpu")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES,
+                        help="the model's weights and activations (bfloat16: the GPU profile's, with its declared "
+                             "bf16 budgets for approx toggles); default float32")
+
+
+def device_load_options(args) -> dict:
+    """load_model's device and dtype from --device / --dtype (CUDA refused where it is absent)."""
+    import torch
+    return {"device": requested_device(args), "dtype": getattr(torch, getattr(args, "dtype", "float32") or "float32")}
 
 
 def requested_device(args) -> str:

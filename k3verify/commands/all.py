@@ -1,6 +1,10 @@
 """`k3verify all`: run a check suite end to end and write one combined report.
 
-    k3verify all [--suite premerge|release|FILE] [--model M] [--report-dir DIR] [--resume RUN_ID]
+    k3verify all [--suite premerge|release|gpu|FILE] [--model M] [--device cpu|cuda] [--dtype float32|bfloat16]
+                 [--report-dir DIR] [--resume RUN_ID]
+
+A suite names its models: a check with `model = "k3-dims"` runs on that model (on the run's
+device and dtype), the rest on --model.
 
 Every finished unit is on disk before the next starts, so after a kill (even -9)
 `k3verify all --resume RUN_ID` runs only what is missing and writes the same report.
@@ -15,8 +19,8 @@ from pathlib import Path
 from rich.table import Table
 
 from k3verify import kinds
-from k3verify.commands import (REPORTS_DIR, add_json_flag, add_model_flag, command_line, console, emit_json,
-                               model_load_options)
+from k3verify.commands import (REPORTS_DIR, add_device_flag, add_json_flag, add_model_flag, command_line, console,
+                               device_load_options, emit_json, model_load_options)
 from k3verify.commands._progress import Item, RunProgress
 from k3verify.errors import UsageError
 from k3verify.verdict.result import STATUSES
@@ -37,6 +41,7 @@ def add_arguments(parser) -> None:
                         help="add the patch diff against git revision REV (default: the merge base with main) "
                              "for the suite's toggles: `k3verify diff --base`, as a section of this report")
     add_model_flag(parser)
+    add_device_flag(parser)
     add_json_flag(parser)
 
 
@@ -98,7 +103,8 @@ def verdict_table(report: dict) -> Table:
     for v in report["verdicts"]:
         ev = v.get("events") or {}
         fired = f"{len(ev.get('declared', [])) - len(ev.get('missing', []))}/{len(ev.get('declared', []))}" if ev else "-"
-        table.add_row(v["toggle"], v["contract"], f"[{COLOURS[v['verdict']]}]{v['verdict']}[/]", fired,
+        name = v["toggle"] + (f"@{v['model']}" if v.get("model") else "")
+        table.add_row(name, v["contract"], f"[{COLOURS[v['verdict']]}]{v['verdict']}[/]", fired,
                       format_speedup(v.get("speedup")) or "-", v["reason"][:160])
     return table
 
@@ -128,15 +134,21 @@ def run(args) -> int:
             raise UsageError(f"--resume {plan['run_id']} ran suite {plan['suite']['name']!r}, got --suite {args.suite!r}")
         if args.model and args.model != plan["model"]:
             raise UsageError(f"--resume {plan['run_id']} ran model {plan['model']!r}, got --model {args.model!r}")
-        model = load_model(plan["model"], **model_load_options(args))
+        placed = {"device": plan.get("device", "cpu"), "dtype": plan.get("dtype", "float32")}
+        asked = {"device": args.device, "dtype": args.dtype}
+        if asked != placed and asked != {"device": "cpu", "dtype": "float32"}:
+            raise UsageError(f"--resume {plan['run_id']} ran on {placed['device']} {placed['dtype']}, "
+                             f"got --device {args.device} --dtype {args.dtype}")
+        args.device, args.dtype = placed["device"], placed["dtype"]
+        model = load_model(plan["model"], **device_load_options(args), **model_load_options(args))
         run_all.check_model(plan, model)
         run_all.check_finished(plan, run_dir)       # checks files of another model, suite or plan: exit 2 now
     else:
         suite = load_suite(args.suite or "premerge")
-        model = load_model(args.model, **model_load_options(args))
+        model = load_model(args.model, **device_load_options(args), **model_load_options(args))
         run_id = new_run_id("all")
         run_dir = args.report_dir or REPORTS_DIR / run_id     # a --report-dir holding a run: refused by the CLI
-        plan = run_all.new_plan(suite, args.model, model, run_id, command)
+        plan = run_all.new_plan(suite, args.model, model, run_id, command, device=args.device, dtype=args.dtype)
     # every value a unit would refuse was refused when the suite was parsed: exit 2 before any work
     if args.base is not None:               # a bad REV: exit 2 before any work
         from k3verify.patch.diff import checkout_root, resolve_base

@@ -8,8 +8,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from k3verify.commands import (add_device_flag, add_json_flag, add_model_flag, console, emit_json, model_load_options,
-                               requested_device)
+from k3verify.commands import (add_device_flag, device_load_options, add_json_flag, add_model_flag, console, emit_json, model_load_options)
 from k3verify.errors import UsageError
 
 NAME = "bench"
@@ -44,7 +43,7 @@ def run(args) -> int:
     from optimized_stack import load_model
 
     units = _check.plan(spec_of(args))             # builds the workloads: a bad --scale is refused here
-    model = load_model(args.model, device=requested_device(args), **model_load_options(args))
+    model = load_model(args.model, **device_load_options(args), **model_load_options(args))
     with Context(model, model_arg=args.model) as ctx:
         results = _check.run_units(units, ctx, NAME, log_prefix="  timing ")
     run_id, report, paths = _check.write(NAME, args.report_dir, model, results,

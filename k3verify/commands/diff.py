@@ -12,8 +12,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from k3verify.commands import (add_device_flag, add_json_flag, add_model_flag, console, emit_json, model_load_options,
-                               requested_device)
+from k3verify.commands import (add_device_flag, device_load_options, add_json_flag, add_model_flag, console, emit_json, model_load_options)
 
 NAME = "diff"
 HELP = "judge one toggle against the reference path (bitwise / drift budget) and write a report"
@@ -100,7 +99,7 @@ def run(args) -> int:
         raise UsageError("diff needs --toggle NAME (or --base [REV] to diff this patch against a revision)")
     units = _check.plan(spec_of(args))            # every bad flag refused here, before any work
     vllm = args.backend == "vllm"
-    model = None if vllm else load_model(args.model, device=requested_device(args), **model_load_options(args))
+    model = None if vllm else load_model(args.model, **device_load_options(args), **model_load_options(args))
     with Context(model, model_arg=args.model) as ctx:
         results = _check.run_units(units, ctx, "diff")
     seeds = {"prompt_seed": args.seed} if vllm else {"scenario_seed": args.seed, "world_size": args.world_size}

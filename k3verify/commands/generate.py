@@ -11,7 +11,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from k3verify.commands import add_json_flag, add_model_flag, console, emit_json, model_load_options
+from k3verify.commands import add_device_flag, add_json_flag, add_model_flag, device_load_options, console, emit_json, model_load_options
 from k3verify.errors import CheckFailed, UsageError
 
 NAME = "generate"
@@ -23,6 +23,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-tokens", type=int, default=64, metavar="N", help="most tokens to generate (default 64)")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt as one user turn of the chat template")
     add_model_flag(parser)
+    add_device_flag(parser)
     add_json_flag(parser)
 
 
@@ -41,7 +42,7 @@ def run(args) -> int:
     from optimized_stack import load_model
     from optimized_stack.tokenizer import IncrementalDecoder, load_tokenizer
 
-    model = load_model(args.model, **model_load_options(args))
+    model = load_model(args.model, **device_load_options(args), **model_load_options(args))
     # A checkpoint directory may carry its own tokenizer_config.json (checked on load); else the byte tokenizer.
     tok_dir = Path(args.model) if args.model is not None and (Path(args.model) / "tokenizer_config.json").is_file() else None
     tok = load_tokenizer(tok_dir)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from k3verify.commands import add_json_flag, add_model_flag, console, emit_json, model_load_options
+from k3verify.commands import add_device_flag, add_json_flag, add_model_flag, device_load_options, console, emit_json, model_load_options
 
 NAME = "gsm8k"
 HELP = "GSM8K through lm-eval (5-shot, strict and flexible); with --toggle the paired non-inferiority gate"
@@ -50,6 +50,7 @@ def add_arguments(parser) -> None:
                              "no verdict (a fail still fails)")
     parser.add_argument("--report-dir", type=Path, help="where to write the report (default reports/<run-id>)")
     add_model_flag(parser)
+    add_device_flag(parser)
     add_json_flag(parser)
 
 
@@ -107,7 +108,7 @@ def run(args) -> int:
     model = None
     if args.base_url is None:
         from optimized_stack import load_model
-        model = load_model(args.model, **model_load_options(args))
+        model = load_model(args.model, **device_load_options(args), **model_load_options(args))
     o = spec.options
     items = [Item("question", NAME, kind.question_s(o))] * (kind.questions(o) * (2 if args.toggle else 1))
     with Context(model, model_arg=args.model, load_options=model_load_options(args)) as ctx:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from k3verify.commands import add_json_flag, add_model_flag, console, emit_json, model_load_options
+from k3verify.commands import add_device_flag, add_json_flag, add_model_flag, device_load_options, console, emit_json, model_load_options
 from k3verify.errors import UsageError
 
 NAME = "kvv"
@@ -38,6 +38,7 @@ def add_arguments(parser) -> None:
                         help="max_tokens of tool-call / JSON requests (default 2048)")
     parser.add_argument("--report-dir", type=Path, help="where to write the report (default reports/<run-id>)")
     add_model_flag(parser)
+    add_device_flag(parser)
     add_json_flag(parser)
 
 
@@ -75,7 +76,8 @@ def run(args) -> int:
     from k3verify.kinds.base import Context
 
     (unit,) = _check.plan(spec_of(args))
-    with Context(None, model_arg=args.model, load_options=model_load_options(args)) as ctx:
+    with Context(None, model_arg=args.model, load_options=model_load_options(args),
+                 placement=device_load_options(args)) as ctx:
         results = _check.run_units([unit], ctx, NAME, items=[])     # a short run: no progress line
     run_id, report, paths = _check.write(NAME, args.report_dir, None, results, seeds={})
     con = console()

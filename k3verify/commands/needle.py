@@ -15,7 +15,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from k3verify.commands import add_json_flag, add_model_flag, console, emit_json, model_load_options
+from k3verify.commands import add_device_flag, add_json_flag, add_model_flag, device_load_options, console, emit_json, model_load_options
 from k3verify.errors import UsageError
 from k3verify.kinds.needle import MAX_LENGTH_TOKENS
 
@@ -62,6 +62,7 @@ def add_arguments(parser) -> None:
                         help="without --toggle: fail a cell whose recall is below R (fraction)")
     parser.add_argument("--report-dir", type=Path, help="where to write the report (default reports/<run-id>)")
     add_model_flag(parser)
+    add_device_flag(parser)
     add_json_flag(parser)
 
 
@@ -106,7 +107,7 @@ def run(args) -> int:
     fast, auto_reason = choose_fast(max(c.length_tokens for c in cases), args.fast)
     if auto_reason:                                  # the gate makes (and records) the same choice
         print(f"note: {auto_reason} (recorded in the report)", file=sys.stderr)
-    model = load_model(args.model, **model_load_options(args))
+    model = load_model(args.model, **device_load_options(args), **model_load_options(args))
     sides = 2 if args.toggle else 1                  # the reference, then the candidate, case by case
     items = [Item(c.name, NAME, kind.case_s(c.length_tokens)) for _ in range(sides) for c in cases]
     with Context(model, model_arg=args.model) as ctx:

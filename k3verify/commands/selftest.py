@@ -6,8 +6,8 @@ from pathlib import Path
 
 from rich.table import Table
 
-from k3verify.commands import (add_device_flag, add_json_flag, add_model_flag, console, emit_json, model_load_options,
-                               requested_device)
+from k3verify.commands import (add_device_flag, device_load_options, add_json_flag, add_model_flag, console, emit_json,
+                               model_load_options)
 
 NAME = "selftest"
 HELP = "run every toggle and every seeded-fault mutant; exit 0 only if all mutants are caught"
@@ -27,8 +27,7 @@ def run(args) -> int:
     from optimized_stack import load_model
 
     units = _check.plan(CheckSpec(NAME, options={"scale": args.scale}))
-    device = requested_device(args)
-    model = load_model(args.model, device=device, **model_load_options(args))
+    model = load_model(args.model, **device_load_options(args), **model_load_options(args))
     with Context(model, model_arg=args.model) as ctx:
         results = _check.run_units(units, ctx, "selftest", log_prefix="  selftest ")
     run_id, report, paths = _check.write("selftest", args.report_dir, model, results)

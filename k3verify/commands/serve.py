@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from k3verify.commands import add_model_flag, model_load_options
+from k3verify.commands import add_device_flag, add_model_flag, device_load_options, model_load_options
 from k3verify.errors import UsageError
 
 NAME = "serve"
@@ -28,6 +28,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
     add_model_flag(parser)
+    add_device_flag(parser)
     limits = parser.add_argument_group("limits (past each: the HTTP status in brackets)")
     limits.add_argument("--max-queue", type=int, default=d.max_queue, metavar="N",
                         help=f"requests waiting behind the one generating [429 + Retry-After] (default {d.max_queue})")
@@ -60,4 +61,5 @@ def run(args) -> int:
         for field, (flag, _) in FLAGS.items():
             message = re.sub(rf"\b{field}\b", flag, message)
         raise UsageError(message) from None
-    return serve_main(args.model, host=args.host, port=args.port, limits=limits, **model_load_options(args))
+    return serve_main(args.model, host=args.host, port=args.port, limits=limits, **device_load_options(args),
+                      **model_load_options(args))

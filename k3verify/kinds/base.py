@@ -52,6 +52,7 @@ class CheckSpec:
     index: int = 1
     description: str = ""
     where: str = ""
+    model: str | None = None        # a suite check's own model; None: the run's (--model)
 
     def __post_init__(self) -> None:
         from . import get
@@ -72,7 +73,7 @@ class CheckSpec:
         return f"{self.where} ({self.kind}): " if self.where else ""
 
 
-COMMON_KEYS = ("kind", "name", "description")
+COMMON_KEYS = ("kind", "name", "description", "model")
 
 
 @dataclass(frozen=True)
@@ -88,23 +89,25 @@ class Unit:
     note: str = ""
     check_index: int = 1
     id: str = ""
+    model: str | None = None        # a suite check's own model (preset or directory); None: the run's
 
     def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "check_index": self.check_index, "check": self.check, "kind": self.kind,
-                "toggle": self.toggle, "scenario": self.scenario, "options": dict(self.options), "note": self.note}
+        d = {"id": self.id, "check_index": self.check_index, "check": self.check, "kind": self.kind,
+             "toggle": self.toggle, "scenario": self.scenario, "options": dict(self.options), "note": self.note}
+        return {**d, "model": self.model} if self.model is not None else d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Unit":
         return cls(kind=d["kind"], check=d["check"], options=d["options"], toggle=d.get("toggle"),
                    scenario=d.get("scenario"), note=d.get("note", ""), check_index=d.get("check_index", 1),
-                   id=d.get("id", ""))
+                   id=d.get("id", ""), model=d.get("model"))
 
     @property
     def label(self) -> str:
-        """'prefix_cache on multi_turn' (+ ' at world size 2' under tensor parallelism)."""
+        """'prefix_cache on multi_turn' (+ ' at world size 2' under tensor parallelism, + ' on model M')."""
         text = " on ".join(x for x in (self.toggle or self.check, self.scenario) if x)
         world = self.options.get("world_size", 1)
-        return text + (f" at world size {world}" if world > 1 else "")
+        return text + (f" at world size {world}" if world > 1 else "") + (f" on model {self.model}" if self.model else "")
 
 
 def units_for(spec: CheckSpec, toggles: list[str | None], scenarios: Callable[[str | None], tuple] | None = None
@@ -142,8 +145,14 @@ class Context:
     world size, reference captures cached), where a unit may write, and the progress line."""
 
     def __init__(self, model, *, model_arg: str | None = None, run_dir=None, progress: Progress | None = None,
-                 load_options: Mapping[str, bool] | None = None, tp_backend: str = "gloo"):
+                 load_options: Mapping[str, bool] | None = None, tp_backend: str = "gloo",
+                 placement: Mapping[str, Any] | None = None):
         self.model, self.model_arg, self.run_dir = model, model_arg, run_dir
+        # where a model this context loads itself (the KVV gate's served model) lives: the run
+        # model's device and dtype, or `placement` ({"device", "dtype"}) when there is none
+        self.placement = dict(placement) if placement is not None else (
+            {"device": next(model.parameters()).device.type, "dtype": next(model.parameters()).dtype}
+            if model is not None else {})
         self.progress = progress or NullProgress()
         self.load_options = dict(load_options or {})
         self.device = next(model.parameters()).device.type if model is not None else "cpu"

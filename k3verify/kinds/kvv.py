@@ -71,7 +71,7 @@ def run(unit: Unit, ctx: Context) -> list[Result]:
         gate = _check_endpoint(o, o["base_url"])
     else:
         from k3verify.serving.lifecycle import ServerThread, build_embedded_app
-        with ServerThread(build_embedded_app(ctx.model_arg, **ctx.load_options)) as server:
+        with ServerThread(build_embedded_app(ctx.model_arg, **ctx.load_options, **ctx.placement)) as server:
             gate = _check_endpoint(o, server.base_url)
     return [r.tag(gate=NAME) for r in gate.results]
 

@@ -16,15 +16,21 @@ from k3verify.scenarios.workloads import build
 from k3verify.verdict.gate import check_toggle
 from k3verify.verdict.result import Result, Subject
 
-from .base import CheckSpec, Context, Unit, check_scale
+from .base import CheckSpec, Context, OptionError, Unit, check_scale, check_toggles
 
 NAME = "selftest"
-OPTIONS = {"scale": 1.0}
+# toggles: None (every registry entry) or a list of names: those entries and the mutants of the
+# optimizations among them (a suite judging the fast path on a second model names just those)
+OPTIONS = {"scale": 1.0, "toggles": None}
 ALL_S = 120.0          # the whole selftest at scale 1 on the 2-core dev CPU (NOTES.md), for progress only
 
 
 def validate(o: dict) -> None:
     check_scale(o["scale"])
+    if o["toggles"] is not None:
+        if isinstance(o["toggles"], str):
+            raise OptionError("toggles", f"must be a list of toggle or mutant names, got {o['toggles']!r}")
+        check_toggles(o["toggles"], allow_none=False)
 
 
 def scenario_for(toggle, scale: float) -> str:
@@ -36,8 +42,11 @@ def plan(spec: CheckSpec) -> list[Unit]:
     """One unit per registry entry, on the cheapest scenario that exercises it."""
     from optimized_stack import toggles as registry
     scale = spec.options["scale"]
+    wanted = spec.options["toggles"]
+    entries = [t for t in registry.all_toggles()
+               if wanted is None or t.name in wanted or (t.kind == "mutant" and t.mutant_of in wanted)]
     return [Unit(spec.kind, spec.name, spec.options, t.name, scenario_for(t, scale), check_index=spec.index)
-            for t in registry.all_toggles()]
+            for t in entries]
 
 
 def cost_s(unit: Unit) -> float:

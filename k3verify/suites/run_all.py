@@ -20,6 +20,7 @@ a quality gate that could not start (an endpoint that does not answer) is one to
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -101,11 +102,24 @@ def check_finished(plan: dict, run_dir: Path) -> None:
         finished(run_dir, unit, expect)
 
 
-def new_plan(suite: Suite, model_arg: str | None, model, run_id: str, command: str) -> dict[str, Any]:
+def new_plan(suite: Suite, model_arg: str | None, model, run_id: str, command: str, *,
+             device: str = "cpu", dtype: str = "float32") -> dict[str, Any]:
     return {"format": PLAN_FORMAT, "version": PLAN_VERSION, "run_id": run_id, "command": command,
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "model": model_arg,
+            "device": device, "dtype": dtype,
             "model_id": golden.model_id(model), "suite": suite.to_dict(), "suite_text": suite.text,
             "units": [u.to_dict() for u in expand(suite)]}
+
+
+def load_check_models(plan: dict, load_options: dict | None = None) -> dict[str, Any]:
+    """The models a suite's checks name for themselves (`model = "k3-dims"`), loaded before any
+    unit runs (a bad name is exit 2 up front), on the run's device and dtype."""
+    import torch
+
+    from optimized_stack import load_model
+    names = sorted({u["model"] for u in plan["units"] if u.get("model") and u["model"] != plan["model"]})
+    dtype = getattr(torch, plan.get("dtype", "float32"))
+    return {n: load_model(n, device=plan.get("device", "cpu"), dtype=dtype, **(load_options or {})) for n in names}
 
 
 def plan_units(plan: dict) -> list[Unit]:
@@ -165,15 +179,22 @@ def execute(plan: dict, model, run_dir: Path, *, display=None, load_options: dic
     check_finished(plan, run_dir)            # a foreign checks file: exit 2 before any unit runs
     per_unit: list[list[dict]] = []
     ran = 0
-    with Context(model, model_arg=plan["model"], run_dir=run_dir, progress=display,
-                 load_options=load_options) as ctx:
+    # one Context per model: the run's, and each that a check names for itself
+    with contextlib.ExitStack() as stack:
+        ctx = stack.enter_context(Context(model, model_arg=plan["model"], run_dir=run_dir, progress=display,
+                                          load_options=load_options))
+        contexts = {name: stack.enter_context(Context(m, model_arg=name, run_dir=run_dir, progress=display,
+                                                      load_options=load_options))
+                    for name, m in load_check_models(plan, load_options).items()}
         for unit in plan_units(plan):
             rows = finished(run_dir, unit, expect)
             if rows is None:
                 if display:
                     display.start(unit)
                 t0 = time.perf_counter()
-                rows = [r.tag(unit=unit.id, suite_check=unit.check).to_dict() for r in run_unit(unit, ctx)]
+                uctx = contexts.get(unit.model, ctx) if unit.model else ctx
+                tags = {"unit": unit.id, "suite_check": unit.check, **({"model": unit.model} if unit.model else {})}
+                rows = [r.tag(**tags).to_dict() for r in run_unit(unit, uctx)]
                 if unit.kind in QUALITY_KINDS:
                     _gate_report(plan, run_dir, unit, rows)
                 atomic_write_json(unit_path(run_dir, unit), {"unit": unit.to_dict(), "provenance": expect,

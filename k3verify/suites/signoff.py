@@ -36,7 +36,7 @@ def _verdict_rows(report: Mapping[str, Any]) -> list[list[str]]:
         if ev.get("declared"):
             fired = ", ".join(f"{e}={n}" for e, n in ev.get("fired", {}).items())
             evidence += f" [events {len(ev['declared']) - len(ev.get('missing', []))}/{len(ev['declared'])}: {fired}]"
-        rows.append([v["toggle"], v["contract"], v["verdict"].upper() if v["verdict"] == "rejected" else v["verdict"],
+        rows.append([v["toggle"] + (f"@{v['model']}" if v.get("model") else ""), v["contract"], v["verdict"].upper() if v["verdict"] == "rejected" else v["verdict"],
                      evidence, format_speedup(v.get("speedup")) or "-", v.get("report") or ""])
     return rows
 
@@ -94,7 +94,8 @@ def problems(report: Mapping[str, Any]) -> list[str]:
     for c in report["suite"].get("checks", []):
         if c["status"] != "pass":
             out.append(f"suite check {c['name']!r} ({c['kind']}) {c['status']}" + (f": {c['reason']}" if c.get("reason") else ""))
-    out += [f"toggle {v['toggle']} rejected: {v['reason']}" for v in report["verdicts"] if v["verdict"] == "rejected"]
+    out += [f"toggle {v['toggle']}{'@' + v['model'] if v.get('model') else ''} rejected: {v['reason']}"
+            for v in report["verdicts"] if v["verdict"] == "rejected"]
     return out
 
 
@@ -161,7 +162,8 @@ def render_signoff(report: Mapping[str, Any]) -> tuple[str, bool]:
         lines.append("No quality gate ran in this suite.")
     risks = list(dict.fromkeys(f"{r['toggle']} / {r['check']}" + (f" / {r['scenario']}" if r.get("scenario") else "")
                                + f": {r['reason']}" for r in results if r["status"] == "skip"))
-    risks += [f"toggle {v['toggle']} not counted: {v['reason']}" for v in report.get("verdicts", [])
+    risks += [f"toggle {v['toggle']}{'@' + v['model'] if v.get('model') else ''} not counted: {v['reason']}"
+              for v in report.get("verdicts", [])
               if v["verdict"] == "skipped"]
     if git.get("dirty"):
         risks.append("the working tree had uncommitted changes when the run was made")

@@ -60,8 +60,8 @@ class Suite:
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "version": self.version, "description": self.description,
                 "path": self.path, "sha256": self.sha256,
-                "checks": [{"index": c.index, "kind": c.kind, "name": c.name, "options": dict(c.options)}
-                           for c in self.checks]}
+                "checks": [{"index": c.index, "kind": c.kind, "name": c.name, "options": dict(c.options),
+                            **({"model": c.model} if c.model else {})} for c in self.checks]}
 
 
 def builtin_suites() -> list[str]:
@@ -106,12 +106,15 @@ def parse_suite(text: str, name: str = "<suite>", path: str = "<string>") -> Sui
             raise UsageError(f"{where}: expected kind to be a string, one of {', '.join(kinds.names())}; "
                              f"got a {type(c['kind']).__name__}")
         options = {k: v for k, v in c.items() if k not in COMMON_KEYS}
+        model = c.get("model")
+        if model is not None and not (isinstance(model, str) and model.strip()):
+            raise UsageError(f"{where}: model must be a preset name or a checkpoint directory, got {model!r}")
         cname = str(c.get("name") or c["kind"])
         if cname in names:
             cname = f"{cname}-{i}"
         names.add(cname)
         checks.append(CheckSpec(c["kind"], cname, options, index=i, description=str(c.get("description", "")),
-                                where=where))
+                                where=where, model=model))
     return Suite(name=str(data.get("name", name)), version=data["version"],
                  description=str(data.get("description", "")), checks=tuple(checks), path=path,
                  sha256=hashlib.sha256(text.encode()).hexdigest(), text=text)
@@ -138,7 +141,7 @@ def expand(suite: Suite) -> list[Unit]:
     units: list[Unit] = []
     for check in suite.checks:
         for u in kinds.plan(check):
-            label = "-".join(_slug(x) for x in (u.check, u.toggle, u.scenario) if x)
+            label = "-".join(_slug(x) for x in (u.check, u.toggle, u.scenario, check.model) if x)
             units.append(Unit(u.kind, u.check, u.options, u.toggle, u.scenario, u.note, u.check_index,
-                              id=f"{len(units) + 1:03d}-{label}"))
+                              id=f"{len(units) + 1:03d}-{label}", model=check.model))
     return units

@@ -42,14 +42,16 @@ def _reasons(rows: list[dict], status: str = "skip") -> str:
 
 def toggle_verdicts(results: list[dict]) -> list[dict]:
     """One verdict per optimization toggle that appears in the results (see module docstring)."""
-    names = list(dict.fromkeys(r["toggle"] for r in results if r["kind"] == "optimization"))
+    # a toggle has one verdict per model a suite judges it on (rows tagged `model` by a check that
+    # names its own; untagged rows are the run's model)
+    names = list(dict.fromkeys((r["toggle"], r.get("model")) for r in results if r["kind"] == "optimization"))
     out = []
-    for name in names:
+    for name, model in names:
         try:
             t = toggle_registry.get(name)
         except K3Error:
             continue                                    # "(reference)", "reference": gates, not toggles
-        rows = [r for r in results if r["toggle"] == name]
+        rows = [r for r in results if r["toggle"] == name and r.get("model") == model]
         contract_rows = [r for r in rows if not r.get("gate") and r["check"] != "bench"]
         gate_rows = [r for r in rows if r.get("gate")]
         bench = [r for r in rows if r["check"] == "bench" and r.get("speedup")]
@@ -57,7 +59,7 @@ def toggle_verdicts(results: list[dict]) -> list[dict]:
              "checks": {s: sum(r["status"] == s for r in rows) for s in STATUSES},
              "scenarios": sorted({r["scenario"] for r in contract_rows if r["scenario"] and r["status"] == "pass"}),
              "speedup": None, "failed_check": None, "first_divergence": None, "localization": None,
-             "report": f"toggles/{name}/report.md"}
+             "report": f"toggles/{toggle_dir(name, model)}/report.md", **({"model": model} if model else {})}
         v["events"] = set_events(t, contract_rows)
         bad = [r for r in contract_rows + gate_rows if r["status"] in ("fail", "error")]
         passed = [r for r in contract_rows if r["status"] == "pass"]
@@ -102,6 +104,11 @@ def toggle_verdicts(results: list[dict]) -> list[dict]:
                     v["speedup"] = {**bench[0]["speedup"], "counted": True}
         out.append(v)
     return out
+
+
+def toggle_dir(name: str, model: str | None) -> str:
+    """toggles/<name>/ for the run's model, toggles/<name>@<model>/ for a check's own model."""
+    return name if not model else f"{name}@{''.join(c if c.isalnum() or c in '-_.' else '_' for c in model)}"
 
 
 def set_events(toggle, rows: list[dict]) -> dict:
@@ -180,9 +187,10 @@ def write_combined(plan: dict, model, run_dir: Path, results: list[dict]) -> tup
         "numerics_key": golden.env_key(golden.numerics_environment(model))})
     verdicts = toggle_verdicts(results)
     for v in verdicts:
-        rows = [r for r in results if r["toggle"] == v["toggle"]]
-        write_report(run_dir / "toggles" / v["toggle"],
-                     build_report(f"{plan['run_id']}-{v['toggle']}", f"{plan['command']}  # toggle {v['toggle']}",
+        rows = [r for r in results if r["toggle"] == v["toggle"] and r.get("model") == v.get("model")]
+        write_report(run_dir / "toggles" / toggle_dir(v["toggle"], v.get("model")),
+                     build_report(f"{plan['run_id']}-{toggle_dir(v['toggle'], v.get('model'))}",
+                                  f"{plan['command']}  # toggle {v['toggle']}{' on ' + v['model'] if v.get('model') else ''}",
                                   env, rows))
     report = build_report(plan["run_id"], plan["command"], env, results)
     report.update(suite={**plan["suite"], "checks": check_statuses(plan, results)}, verdicts=verdicts,
