@@ -145,6 +145,11 @@ def test_unpinned_mkl_on_another_processor_is_a_skip_not_a_drift(tmp_path):
     same = _golden_cli("check", tmp_path, K3_MKL_CBWR="off")
     assert same.returncode == 0 and "golden: pass" in same.stdout, same.stdout + same.stderr
     other = _golden_cli("check", tmp_path, K3_MKL_CBWR="off", MKL_ENABLE_INSTRUCTIONS="SSE4_2")
+    if other.returncode == 0 and "golden: pass" in other.stdout:
+        # MKL capped at SSE4.2 picked the same kernels (not an Intel processor: see
+        # test_numerics_pin's negative control): "another processor" cannot be staged here
+        pytest.skip("MKL capped at SSE4.2 gives the same bits on this processor: the newcomer's case needs an "
+                    "Intel CPU to stage")
     # a skip compared nothing: the verdict is nothing_verified, exit 1 (issue 29), never a green 0
     assert other.returncode == 1, other.stdout + other.stderr
     assert "golden: skip: the golden hashes do not apply to this machine" in other.stdout, other.stdout

@@ -56,7 +56,22 @@ def test_without_the_pin_mkl_dispatch_changes_the_bits():
     """Negative control: the comparison above can fail, and does when nothing pins MKL."""
     a = _digest(K3_MKL_CBWR="off", MKL_ENABLE_INSTRUCTIONS="AVX2")
     b = _digest(K3_MKL_CBWR="off", MKL_ENABLE_INSTRUCTIONS="SSE4_2")
+    if a == b and _vendor() != "GenuineIntel":
+        # MKL dispatches by instruction set on Intel processors; on others (AMD EPYC, measured
+        # 2026-12-02) capping it changes no bits, so the cross-processor drift the pin prevents
+        # cannot be staged here. A skip with the reason, never a pass: the control runs on Intel.
+        pytest.skip(f"MKL's AVX2 and SSE4.2 dispatch give the same bits on this {_vendor()} processor: "
+                    f"the negative control of the pin needs an Intel CPU")
     assert a != b, "MKL's AVX2 and SSE4.2 kernels gave the same bits: the pin test above proves nothing here"
+
+
+def _vendor() -> str:
+    try:
+        text = open("/proc/cpuinfo", encoding="utf-8", errors="replace").read()
+    except OSError:
+        return "unknown"
+    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("vendor_id")),
+                "unknown")
 
 
 def test_a_bad_branch_name_is_a_one_line_error():

@@ -261,7 +261,8 @@ def test_changed_scenario_is_reported_not_compared(patched, tmp_path, capsys):
     line = report["patch_diff"]["summary"]["line"]
     assert "not compared: single (scenario changed" in line, line
     assert all(r["status"] == "skip" and "scenario changed" in r["reason"] for r in report["results"])
-    assert code == 0, out
+    # nothing could be compared: not a green run (issue 29), its own verdict and exit 1
+    assert report["summary"]["verdict"] == "nothing_verified" and code == 1, out
 
 
 def test_bad_revision_and_missing_api_are_one_line_errors(patched, tmp_path, capsys):

@@ -52,8 +52,8 @@ def provenance(plan: dict) -> dict[str, Any]:
     (name and content hash) and the plan (hash of its expanded units). Written into every checks
     file; a resume accepts only files whose provenance equals the current run's."""
     units = json.dumps(plan["units"], sort_keys=True, separators=(",", ":"), default=str)
-    return {"model_id": plan["model_id"],
-            "suite": {"name": plan["suite"].get("name"),
+    return {"model_id": plan.get("model_id"),
+            "suite": {"name": (plan.get("suite") or {}).get("name"),
                       "sha256": hashlib.sha256(str(plan.get("suite_text", "")).encode("utf-8")).hexdigest()},
             "plan_sha256": hashlib.sha256(units.encode("utf-8")).hexdigest()}
 
@@ -64,7 +64,7 @@ def _provenance_problem(got: Any, want: dict[str, Any]) -> str | None:
         return "it records no model, suite or plan (written by an older k3verify or another tool)"
     diffs = []
     if got.get("model_id") != want["model_id"]:
-        diffs.append(f"model {str(got.get('model_id'))[:30]} (this run: {want['model_id'][:30]})")
+        diffs.append(f"model {str(got.get('model_id'))[:30]} (this run: {str(want['model_id'])[:30]})")
     g_suite = got.get("suite") if isinstance(got.get("suite"), dict) else {}
     if g_suite.get("name") != want["suite"]["name"]:
         diffs.append(f"suite {g_suite.get('name')!r} (this run: {want['suite']['name']!r})")
