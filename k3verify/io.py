@@ -68,13 +68,8 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
 
 def _replace(target: Path, data: bytes) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    tmp = _write_temp(target, data)
     try:
-        os.fchmod(fd, 0o666 & ~process_umask())
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
         os.replace(tmp, target)
     except BaseException:
         # Also on KeyboardInterrupt: never leave a stray temp file next to the target.
