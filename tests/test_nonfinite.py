@@ -149,3 +149,21 @@ def test_generate_exits_1_with_the_first_location(model, monkeypatch, capsys, po
 def test_generate_on_a_clean_model_exits_0(model, monkeypatch, capsys):
     monkeypatch.setattr(optimized_stack, "load_model", lambda *a, **k: model)
     assert cli.main(["generate", "--prompt", "Hello", "--max-tokens", "8"]) == 0, capsys.readouterr().err
+
+
+def test_generate_on_a_degenerate_model_exits_1_instead_of_printing_nul_bytes(model, monkeypatch, capsys):
+    """lm_head zeroed: every logit is 0, argmax is token 0 (a NUL byte) every step (issue 29);
+    the clean-model test above is its negative control."""
+    monkeypatch.setattr(optimized_stack, "load_model", lambda *a, **k: model)
+    saved = model.lm_head.weight.detach().clone()
+    try:
+        with torch.no_grad():
+            model.lm_head.weight.zero_()
+        code = cli.main(["generate", "--prompt", "Hello", "--max-tokens", "8"])
+    finally:
+        with torch.no_grad():
+            model.lm_head.weight.copy_(saved)
+    out, err = capsys.readouterr()
+    assert code == 1 and "\x00" not in out, out
+    assert err.startswith("k3verify: check failed: the model is degenerate: logits constant over the vocabulary "
+                          "at position 5 (every entry 0)"), err

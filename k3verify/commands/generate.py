@@ -125,3 +125,9 @@ def _refuse_nonfinite(logits, start: int) -> None:
     if nf is not None:
         raise CheckFailed(f"non-finite ({nf.kind}) in logits at position {start + nf.index_tuple[0]}, "
                           f"vocab index {nf.index_tuple[1]}")
+    last = logits[-1]
+    if logits.shape[-1] > 1 and bool((last == last[0]).all()):
+        # argmax of a constant row is token 0 (a NUL byte) every step: the model is broken, and
+        # printing what it "generates" would hide that (issue 29)
+        raise CheckFailed(f"the model is degenerate: logits constant over the vocabulary at position "
+                          f"{start + logits.shape[0] - 1} (every entry {float(last[0]):g}); nothing generated")
