@@ -64,6 +64,24 @@ def test_the_fast_path_is_judged_on_k3_dims_with_a_verdict_of_its_own(tmp_path):
     assert dims["status"] == "pass" and dims["caught"] is True and dims["model"] == "k3-dims", dims["reason"]
     nc = report["negative_controls"]
     assert nc["localisation_accuracy"] == 1.0 and nc["localisable"] == nc["caught"] == 3, nc
+    # summary.json: the figures a sign-off is read from (issue 26 item 5)
+    summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+    assert summary["models"] == ["embedded", "k3-dims"] and (summary["device"], summary["dtype"]) == ("cpu", "float32")
+    assert set(summary["seconds_per_kind"]) == {"selftest@k3-dims"} and summary["suite_s"] > 0, summary
+    assert summary["exact_verdicts"] == {"k3-dims": {"batched_decode": "counted"}}
+    assert summary["mutants"] == {"k3-dims": {"caught": 3, "total": 3}} and summary["counted"] == ["batched_decode@k3-dims"]
+    assert summary["localisation"]["localisation_accuracy"] == 1.0
+
+
+def test_summary_seconds_count_only_finished_units(tmp_path):
+    from k3verify.suites.summary import unit_seconds
+    plan = {"units": [{"id": "001-a", "kind": "selftest"}, {"id": "002-b", "kind": "selftest", "model": "k3-dims"},
+                      {"id": "003-c", "kind": "drift"}]}
+    (tmp_path / "checks").mkdir()
+    (tmp_path / "checks" / "001-a.json").write_text('{"duration_s": 2.5}')
+    (tmp_path / "checks" / "002-b.json").write_text('{"duration_s": 1.0}')
+    (tmp_path / "checks" / "003-c.json").write_text('{"duration_s": 9')            # cut short: not finished
+    assert unit_seconds(plan, tmp_path) == {"selftest": 2.5, "selftest@k3-dims": 1.0}
 
 
 def test_negative_control_on_k3_mini_the_real_dims_mutant_does_not_apply(tmp_path):

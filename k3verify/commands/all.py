@@ -175,7 +175,8 @@ def run(args) -> int:
               f"{nc.get('localised', 0)}/{nc.get('localisable', 0)}; {ran} of {len(plan['units'])} units run now)")
     if patch_line:
         con.print(f"patch diff: {patch_line}  ({run_dir / 'patch-diff' / 'summary.md'})")
-    con.print(f"report: {paths['md']}  junit: {paths['junit']}  resume with: --resume {plan['run_id']}")
+    con.print(f"report: {paths['md']}  junit: {paths['junit']}  summary: {paths['summary']}  "
+              f"resume with: --resume {plan['run_id']}")
     if args.json:
         emit_json({"run_id": plan["run_id"], "verdict": s["verdict"], "report": str(paths["json"]), "summary": s,
                    "verdicts": {v["toggle"]: v["verdict"] for v in report["verdicts"]}})

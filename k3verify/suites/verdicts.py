@@ -21,6 +21,7 @@ import json
 from pathlib import Path
 
 from k3verify.compare import golden
+from k3verify.io import atomic_write_json
 from k3verify.report import build_report, environment_fingerprint, validate_report, write_report
 from k3verify.verdict.result import STATUSES
 from optimized_stack import toggles as toggle_registry
@@ -203,4 +204,6 @@ def write_combined(plan: dict, model, run_dir: Path, results: list[dict]) -> tup
 
     paths = write_report(run_dir, report, decorate=sections)
     safe = json.loads(paths["json"].read_text(encoding="utf-8"))
+    from k3verify.suites.summary import build_summary
+    paths["summary"] = atomic_write_json(run_dir / "summary.json", build_summary(plan, safe, run_dir))
     return safe, paths
