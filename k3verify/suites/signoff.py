@@ -148,6 +148,9 @@ def render_signoff(report: Mapping[str, Any]) -> tuple[str, bool]:
              f"- cpu: {cpu.get('model')} ({cpu.get('capability')}), {env.get('num_threads')} threads; "
              f"cuda: {env.get('cuda_device') or 'none'}",
              f"- numerics key (golden hashes): {env.get('numerics_key')}", ""]
+    own = [f"{c['name']} on {c['model']}" for c in (report.get("suite") or {}).get("checks", []) if c.get("model")]
+    if own:          # checks that name their own model (verdicts `toggle@model`)
+        lines[-1:] = [f"- checks on their own model (same device and dtype): {', '.join(own)}", ""]
     lines += [verdict_markdown(report).rstrip(), ""]
     golden = [r for r in results if r["check"] == "golden"]
     if golden:

@@ -138,6 +138,7 @@ def check_statuses(plan: dict, results: list[dict]) -> list[dict]:
         rows = [r for r in results if r.get("suite_check") == c["name"]]
         status = _status_of(_set_judged(rows))
         out.append({"index": c["index"], "name": c["name"], "kind": c["kind"], "status": status,
+                    **({"model": c["model"]} if c.get("model") else {}),
                     "counts": {s: sum(r["status"] == s for r in rows) for s in STATUSES},
                     "reason": _reasons(rows, status)[:500] if status in ("skip", "inconclusive", "not_exercised")
                     else ""})
