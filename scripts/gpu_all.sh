@@ -2,7 +2,7 @@
 # `k3verify all` on the GPU: the one pipeline, with the suite naming its models (e.g. checks/gpu.toml),
 # then the sign-off from its report. Carry .whl (fla-core). Results land in $OUT: report.md,
 # summary.json (seconds per kind, verdicts per model, mutants, localisation), signoff.md and run.tar (the whole run directory: report.json/html, junit.xml, checks/).
-#   SUITE=checks/gpu.toml DTYPE=bfloat16 bash scripts/gpu_all.sh
+#   SUITE=checks/gpu.toml DTYPE=bfloat16 JOBS=6 bash scripts/gpu_all.sh   (JOBS processes: the work is dispatch-bound)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/k3-gpu-out}
@@ -16,7 +16,7 @@ export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader || true
 RUN="$OUT/run"
 t0=$(date +%s)
-timeout "${ALL_TIMEOUT_S:-3000}" python3 -m k3verify all --suite "${SUITE:-gpu}" --device cuda --dtype "${DTYPE:-bfloat16}" --report-dir "$RUN" \
+timeout "${ALL_TIMEOUT_S:-3000}" python3 -m k3verify all --suite "${SUITE:-gpu}" --jobs "${JOBS:-6}" --device cuda --dtype "${DTYPE:-bfloat16}" --report-dir "$RUN" \
   --json > "$OUT/all.json" 2> "$OUT/all.log"
 rc=$?
 echo "k3verify all rc=$rc in $(( $(date +%s) - t0 )) s"

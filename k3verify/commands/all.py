@@ -40,6 +40,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--base", nargs="?", const="@merge-base", default=None, metavar="REV",
                         help="add the patch diff against git revision REV (default: the merge base with main) "
                              "for the suite's toggles: `k3verify diff --base`, as a section of this report")
+    parser.add_argument("--jobs", type=int, default=1, metavar="N",
+                        help="run the suite's units in N processes (grouped by model and scenario; the cores are "
+                             "split between them); one report as with 1 (default 1)")
+    parser.add_argument("--shard", default=None, metavar="I/N",
+                        help="internal: run shard I of N of a resumed run's units and write no report (a worker "
+                             "of --jobs)")
     add_model_flag(parser)
     add_device_flag(parser)
     add_json_flag(parser)
@@ -109,6 +115,53 @@ def verdict_table(report: dict) -> Table:
     return table
 
 
+def _worker_args(args) -> list[str]:
+    """The flags a worker needs besides --resume / --shard (device and dtype come from the plan)."""
+    return ([*(["--allow-nonfinite-weights"] if args.allow_nonfinite_weights else []),
+             *(["--allow-weight-cast"] if args.allow_weight_cast else [])])
+
+
+def _run_shard(plan: dict, model, run_dir: Path, shard: tuple[int, int], args) -> int:
+    from k3verify.suites import run_all
+    from k3verify.suites.shards import assign
+    i, n = shard
+    mine = assign(run_all.plan_units(plan), n)
+    _, ran = run_all.execute(plan, model, run_dir, load_options=model_load_options(args),
+                             only=lambda u: mine[u.id] == i)
+    print(f"shard {i}/{n} of {plan['run_id']}: {ran} units run", file=sys.stderr)
+    return 0
+
+
+def _run_jobs(plan: dict, model, run_dir: Path, args) -> int:
+    """Shards 1..N-1 in worker processes, shard 0 here; returns the units run here. A worker that
+    fails is reported; its unfinished units are run by the caller's final pass."""
+    import torch
+
+    from k3verify.suites import run_all
+    from k3verify.suites.shards import assign, start_workers, threads_per_job
+    run_all.write_plan(plan, run_dir)
+    run_all.check_finished(plan, run_dir)             # a foreign checks file: exit 2 before starting anyone
+    units = run_all.plan_units(plan)
+    mine = assign(units, args.jobs)
+    procs = start_workers(plan["run_id"], run_dir, args.jobs, _worker_args(args))
+    torch.set_num_threads(threads_per_job(args.jobs))
+    try:
+        with Display([u for u in units if mine[u.id] == 0]) as display:
+            _, ran = run_all.execute(plan, model, run_dir, display=display, load_options=model_load_options(args),
+                                     only=lambda u: mine[u.id] == 0)
+    except BaseException:
+        for _, proc, _ in procs:            # Ctrl-C or a usage error here: the workers stop too (resumable)
+            proc.terminate()
+        raise
+    finally:
+        for i, proc, log in procs:
+            rc = proc.wait()
+            if rc != 0:
+                print(f"k3verify all: worker {i}/{args.jobs} exited {rc} (log: {log}); its unfinished units run here",
+                      file=sys.stderr)
+    return ran
+
+
 def _resume_dir(args) -> Path:
     if args.report_dir:
         return args.report_dir
@@ -123,6 +176,14 @@ def run(args) -> int:
     from optimized_stack import load_model
 
     command = command_line()
+    if isinstance(args.jobs, bool) or not 1 <= args.jobs <= 64:
+        raise UsageError(f"--jobs must be an integer in 1..64, got {args.jobs}")
+    shard = None
+    if args.shard is not None:
+        from k3verify.suites.shards import parse_shard
+        shard = parse_shard(args.shard)
+        if not args.resume or args.jobs != 1:
+            raise UsageError("--shard I/N is a worker of `all --jobs`: it needs --resume RUN_ID and no --jobs")
     if args.resume:
         run_dir = _resume_dir(args)
         plan = run_all.load_plan(run_dir)
@@ -153,8 +214,14 @@ def run(args) -> int:
     if args.base is not None:               # a bad REV: exit 2 before any work
         from k3verify.patch.diff import checkout_root, resolve_base
         resolve_base(checkout_root(None), args.base)
-    with Display(run_all.plan_units(plan)) as display:
+    if shard is not None:                   # a worker: its units only, no report
+        return _run_shard(plan, model, run_dir, shard, args)
+    ran_first = 0
+    if args.jobs > 1:
+        ran_first = _run_jobs(plan, model, run_dir, args)
+    with Display(run_all.plan_units(plan)) as display:     # all units; what the jobs left is run here
         results, ran = run_all.execute(plan, model, run_dir, display=display, load_options=model_load_options(args))
+    ran += ran_first
     con = console()
     patch_line = None
     if args.base is not None:               # issue 21: a section of its own, not a unit of the plan

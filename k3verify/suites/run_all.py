@@ -111,13 +111,16 @@ def new_plan(suite: Suite, model_arg: str | None, model, run_id: str, command: s
             "units": [u.to_dict() for u in expand(suite)]}
 
 
-def load_check_models(plan: dict, load_options: dict | None = None) -> dict[str, Any]:
+def load_check_models(plan: dict, load_options: dict | None = None,
+                      only: Callable[[Unit], bool] | None = None) -> dict[str, Any]:
     """The models a suite's checks name for themselves (`model = "k3-dims"`), loaded before any
-    unit runs (a bad name is exit 2 up front), on the run's device and dtype."""
+    unit runs (a bad name is exit 2 up front), on the run's device and dtype; with `only`, those
+    of the units it keeps."""
     import torch
 
     from optimized_stack import load_model
-    names = sorted({u["model"] for u in plan["units"] if u.get("model") and u["model"] != plan["model"]})
+    names = sorted({u.model for u in plan_units(plan)
+                    if u.model and u.model != plan["model"] and (only is None or only(u))})
     dtype = getattr(torch, plan.get("dtype", "float32"))
     return {n: load_model(n, device=plan.get("device", "cpu"), dtype=dtype, **(load_options or {})) for n in names}
 
@@ -169,12 +172,18 @@ def run_unit(unit: Unit, ctx: Context) -> list[Result]:
                                scenario=unit.scenario, traceback=traceback.format_exc()[-4000:])]
 
 
-def execute(plan: dict, model, run_dir: Path, *, display=None, load_options: dict | None = None,
-            after_unit: Callable[[Unit], None] | None = None) -> tuple[list[dict], int]:
-    """Run the plan's unfinished units; returns (all results in plan order, units run now)."""
+def write_plan(plan: dict, run_dir: Path) -> None:
     make_dir(run_dir)
     if not (run_dir / "plan.json").is_file():
         atomic_write_json(run_dir / "plan.json", plan)
+
+
+def execute(plan: dict, model, run_dir: Path, *, display=None, load_options: dict | None = None,
+            after_unit: Callable[[Unit], None] | None = None,
+            only: Callable[[Unit], bool] | None = None) -> tuple[list[dict], int]:
+    """Run the plan's unfinished units; returns (all results in plan order, units run now). With
+    `only` (a shard of `all --jobs`), units it rejects are neither run nor reported."""
+    write_plan(plan, run_dir)
     expect = provenance(plan)
     check_finished(plan, run_dir)            # a foreign checks file: exit 2 before any unit runs
     per_unit: list[list[dict]] = []
@@ -185,8 +194,10 @@ def execute(plan: dict, model, run_dir: Path, *, display=None, load_options: dic
                                           load_options=load_options))
         contexts = {name: stack.enter_context(Context(m, model_arg=name, run_dir=run_dir, progress=display,
                                                       load_options=load_options))
-                    for name, m in load_check_models(plan, load_options).items()}
+                    for name, m in load_check_models(plan, load_options, only).items()}
         for unit in plan_units(plan):
+            if only is not None and not only(unit):
+                continue
             rows = finished(run_dir, unit, expect)
             if rows is None:
                 if display:

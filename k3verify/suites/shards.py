@@ -1,0 +1,70 @@
+"""`k3verify all --jobs N`: a suite's units across N processes.
+
+The checks are dispatch-bound (thousands of small ops per step, one Python thread each), so on a
+GPU host one process leaves the device idle and on the 2-core CPU a second process uses the second
+core. Every unit already leaves its own checks file and a resumed run skips finished units, so the
+split needs no new state: the parent writes plan.json, starts N-1 workers
+(`k3verify all --resume RUN_ID --shard i/N`), runs shard 0 itself, waits, then runs whatever is
+still missing (a worker that died costs time, never units) and writes the one report.
+
+Assignment is deterministic (every process computes it from the plan alone): units are grouped
+by (model, scenario), so one process computes each scenario's reference capture once, and the
+groups go largest first to the least loaded shard by the kinds' cost priors (LPT scheduling).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from k3verify import kinds
+from k3verify.errors import UsageError
+from k3verify.kinds.base import Unit
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """'1/4' -> (1, 4); refused in one line unless 0 <= i < N."""
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise UsageError(f"--shard expects I/N (like 1/4), got {text!r}") from None
+    if not (n >= 1 and 0 <= i < n):
+        raise UsageError(f"--shard expects I/N with 0 <= I < N, got {text!r}")
+    return i, n
+
+
+def assign(units: list[Unit], n: int) -> dict[str, int]:
+    """unit id -> shard in [0, n): (model, scenario) groups, largest prior cost first, each to the
+    least loaded shard (ties to the lowest index)."""
+    groups: dict[tuple, list[Unit]] = {}
+    for u in units:
+        groups.setdefault((u.model or "", u.scenario or u.kind), []).append(u)
+    load = [0.0] * n
+    out: dict[str, int] = {}
+    for key in sorted(groups, key=lambda k: (-sum(kinds.cost_s(u) for u in groups[k]), k)):
+        shard = min(range(n), key=lambda s: (load[s], s))
+        load[shard] += sum(kinds.cost_s(u) for u in groups[key])
+        for u in groups[key]:
+            out[u.id] = shard
+    return out
+
+
+def threads_per_job(n: int) -> int:
+    return max(1, (os.cpu_count() or 1) // n)
+
+
+def start_workers(run_id: str, run_dir: Path, n: int, extra_args: list[str]) -> list[tuple[int, subprocess.Popen, Path]]:
+    """Shards 1..n-1 as `python -m k3verify all --resume RUN_ID --shard i/n`, each logging to
+    run_dir/workers/shard-i.log, with the cores split between the n processes."""
+    logs = run_dir / "workers"
+    logs.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_job(n))}
+    procs = []
+    for i in range(1, n):
+        log = logs / f"shard-{i}.log"
+        cmd = [sys.executable, "-m", "k3verify", "all", "--resume", run_id, "--report-dir", str(run_dir),
+               "--shard", f"{i}/{n}", *extra_args]
+        with open(log, "wb") as fh:
+            procs.append((i, subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env), log))
+    return procs

@@ -1,0 +1,83 @@
+"""`k3verify all --jobs N`: a suite's units across N processes, one report (issue 26 item 5: the
+checks are dispatch-bound, so a GPU host or the second CPU core needs more than one process)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from k3verify import cli
+from k3verify.errors import UsageError
+from k3verify.suites import shards
+from k3verify.suites import suite as suites
+
+SUITE = '''version = 2
+[[check]]
+kind = "diff"
+toggles = ["state_offload_roundtrip", "continuous_batching"]
+scenarios = ["single", "multi_length"]
+scale = 0.25
+'''
+
+
+def _suite(tmp: Path) -> Path:
+    p = tmp / "jobs.toml"
+    p.write_text(SUITE, encoding="utf-8")
+    return p
+
+
+def test_assignment_keeps_a_scenario_in_one_process_and_balances_by_cost():
+    units = suites.expand(suites.load_suite("premerge"))
+    got = shards.assign(units, 2)
+    assert set(got) == {u.id for u in units} and set(got.values()) == {0, 1}
+    assert got == shards.assign(units, 2), "every process must compute the same assignment"
+    by_group: dict[tuple, set[int]] = {}
+    for u in units:
+        by_group.setdefault((u.model or "", u.scenario or u.kind), set()).add(got[u.id])
+    assert all(len(s) == 1 for s in by_group.values()), "a scenario's reference is computed in one process"
+    assert set(shards.assign(units, 1).values()) == {0}
+
+
+@pytest.mark.parametrize("text", ["2/2", "x", "1/0", "-1/3"])
+def test_a_bad_shard_is_one_line(text):
+    with pytest.raises(UsageError, match=r"--shard expects I/N"):
+        shards.parse_shard(text)
+
+
+def _statuses(run_dir: Path) -> list[tuple]:
+    report = json.loads((run_dir / "report.json").read_text(encoding="utf-8"))
+    return sorted((r["toggle"], r["scenario"], r["check"], r["status"]) for r in report["results"])
+
+
+def test_two_jobs_give_the_one_process_report(tmp_path, capsys):
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert cli.main(["all", "--suite", str(_suite(tmp_path)), "--report-dir", str(one)]) == 0
+    capsys.readouterr()
+    assert cli.main(["all", "--suite", str(_suite(tmp_path)), "--report-dir", str(two), "--jobs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert _statuses(two) == _statuses(one) and len(_statuses(two)) == 16
+    log = (two / "workers" / "shard-1.log").read_text(encoding="utf-8")
+    assert "shard 1/2 of" in log and "2 units run" in log, log     # the worker ran its half ...
+    assert "2 of 4 units run now" in out, out                       # ... and the parent the other
+
+
+def test_negative_control_a_worker_that_dies_loses_no_unit(tmp_path, capsys, monkeypatch):
+    def dying(run_id, run_dir, n, extra):
+        return [(i, subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"]), run_dir / "none.log")
+                for i in range(1, n)]
+    monkeypatch.setattr(shards, "start_workers", dying)
+    run_dir = tmp_path / "run"
+    assert cli.main(["all", "--suite", str(_suite(tmp_path)), "--report-dir", str(run_dir), "--jobs", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert "worker 1/2 exited 3" in err and "its unfinished units run here" in err, err
+    assert "4 of 4 units run now" in out and len(_statuses(run_dir)) == 16, out
+
+
+def test_jobs_and_shard_are_refused_where_they_make_no_sense(tmp_path, capsys):
+    assert cli.main(["all", "--suite", str(_suite(tmp_path)), "--jobs", "0"]) == 2
+    assert "--jobs must be an integer in 1..64, got 0" in capsys.readouterr().err
+    assert cli.main(["all", "--suite", str(_suite(tmp_path)), "--shard", "0/2"]) == 2
+    assert "--shard I/N is a worker of `all --jobs`: it needs --resume RUN_ID" in capsys.readouterr().err
