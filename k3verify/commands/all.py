@@ -41,8 +41,8 @@ def add_arguments(parser) -> None:
                         help="add the patch diff against git revision REV (default: the merge base with main) "
                              "for the suite's toggles: `k3verify diff --base`, as a section of this report")
     parser.add_argument("--jobs", type=int, default=1, metavar="N",
-                        help="run the suite's units in N processes (grouped by model and scenario; the cores are "
-                             "split between them); one report as with 1 (default 1)")
+                        help="run the suite's units in N processes (grouped by model and scenario; the cores split "
+                             "between them, which changes the numerics key of golden hashes); one report (default 1)")
     parser.add_argument("--shard", default=None, metavar="I/N",
                         help="internal: run shard I of N of a resumed run's units and write no report (a worker "
                              "of --jobs)")
@@ -144,7 +144,7 @@ def _run_jobs(plan: dict, model, run_dir: Path, args) -> int:
     units = run_all.plan_units(plan)
     mine = assign(units, args.jobs)
     procs = start_workers(plan["run_id"], run_dir, args.jobs, _worker_args(args))
-    torch.set_num_threads(threads_per_job(args.jobs))
+    torch.set_num_threads(threads_per_job(args.jobs))      # the workers' count: one numerics environment
     try:
         with Display([u for u in units if mine[u.id] == 0]) as display:
             _, ran = run_all.execute(plan, model, run_dir, display=display, load_options=model_load_options(args),
