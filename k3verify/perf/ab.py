@@ -64,3 +64,28 @@ def interleaved(run_a: Callable[[], Any], run_b: Callable[[], Any], *, repeats: 
             fn()
             (ta if which == "a" else tb).append(time.perf_counter() - t0)
     return ABResult(labels[0], labels[1], ta, tb, tokens)
+
+
+def median_ci(samples: list[float], alpha: float = 0.05) -> dict[str, Any]:
+    """Distribution-free interval for the median of `samples`: [x_(j), x_(n+1-j)] of the sorted
+    samples, with j the largest rank whose coverage 1 - 2 P(Bin(n, 1/2) < j) is still >= 1 - alpha.
+
+    Order statistics, not a bootstrap: at the 5-8 repeats a speed run affords, a bootstrap of the
+    median resamples the same few values and claims coverage it does not have, while this
+    interval's coverage is exact for any continuous distribution. Below n = 6 no pair of order
+    statistics reaches 95% (n = 5: [min, max] covers 93.75%); the widest one is returned and its
+    true coverage is stated, never rounded up to the nominal level.
+    """
+    from k3verify.quality.stats import binom_cdf
+    n = len(samples)
+    if n < 2:
+        raise ValueError(f"median_ci needs at least 2 samples, got {n}")
+    xs = sorted(samples)
+    j, coverage = 1, 1.0 - 2.0 * binom_cdf(0, n, 0.5)        # j = 1: [min, max]
+    for rank in range(2, n // 2 + 1):
+        cov = 1.0 - 2.0 * binom_cdf(rank - 1, n, 0.5)
+        if cov < 1.0 - alpha:
+            break
+        j, coverage = rank, cov
+    return {"median": statistics.median(xs), "low": xs[j - 1], "high": xs[n - j], "coverage": coverage,
+            "n": n, "method": "order-statistic"}

@@ -109,3 +109,144 @@ def bench_kimi_linear(cfg: K3Config, dtype: torch.dtype, *, batches: list[int], 
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return out
+
+
+# ---- the fair baseline's peer (fair_baseline.py): one model, several ways to call generate() ----
+# arm -> generate() keyword arguments. "dynamic" is the default call without an attention_mask
+# (equal-length prompts need none); "masked" passes the all-ones mask a padded batch would;
+# "static" asks for a static cache with compilation off; "static_compiled" leaves transformers'
+# auto-compile on (it compiles the decode step when the cache is compileable and the device is
+# CUDA). Which cache and whether a compiled step ran are recorded per arm (`evidence`).
+ARMS: dict[str, dict[str, Any]] = {
+    "dynamic": {},
+    "masked": {"masked": True},
+    "static": {"cache_implementation": "static", "disable_compile": True},
+    "static_compiled": {"cache_implementation": "static"},
+}
+MASKED_ARM = "masked"
+
+
+class TokenClock:
+    """A generate() streamer that stamps when each step's tokens were ready. generate() puts the
+    prompt first (skipped), then each step's tokens. On CUDA the stamps are events on the stream
+    (no synchronisation inside the loop, so the call runs as it would without us); on the CPU
+    perf_counter."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.events: list[Any] = []
+        self.prompt_seen = False
+        self.t0 = self._stamp()
+
+    def _stamp(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def put(self, value) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        self.events.append(self._stamp())
+
+    def end(self) -> None:
+        pass
+
+    def seconds(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [self.t0.elapsed_time(e) / 1e3 for e in self.events]
+        return [e - self.t0 for e in self.events]
+
+
+class KimiLinearPeer:
+    """transformers' KimiLinearForCausalLM at our model's dims (or a checkpoint directory), with
+    fixed seeded prompts per batch size, timed through generate() and a cache-less forward."""
+
+    def __init__(self, cfg: K3Config, dtype: torch.dtype, device: str, context: int, *,
+                 checkpoint: str | None = None, attn: str = "sdpa", seed: int = 0) -> None:
+        import transformers
+        from transformers import KimiLinearForCausalLM
+        torch.manual_seed(seed)
+        if checkpoint:
+            model = KimiLinearForCausalLM.from_pretrained(checkpoint, attn_implementation=attn)
+        else:
+            config = kimi_linear_config(cfg)
+            config._attn_implementation = attn
+            model = KimiLinearForCausalLM(config)
+        self.model = model.to(device=device, dtype=dtype).eval()
+        self.device = torch.device(device)
+        self.vocab = self.model.config.vocab_size
+        self.pad = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
+        self.context = context
+        self.seed = seed
+        self._prompts: dict[int, torch.Tensor] = {}
+        self.evidence: dict[str, dict[str, Any]] = {}
+        self.info = {"transformers": transformers.__version__, "dtype": str(dtype).replace("torch.", ""),
+                     "attn_implementation": attn, "kernels": kernels_in_force(), "checkpoint": checkpoint,
+                     "params": sum(p.numel() for p in self.model.parameters())}
+
+    def prompts(self, batch: int) -> torch.Tensor:
+        if batch not in self._prompts:                                  # [B, L], the same for every arm
+            gen = torch.Generator().manual_seed(self.seed * 1000 + batch)
+            self._prompts[batch] = torch.randint(0, self.vocab, (batch, self.context), generator=gen).to(self.device)
+        return self._prompts[batch]
+
+    def arm(self, name: str):
+        """The arm's (batch, new_tokens) -> GenerateRun callable; raises ValueError for an unknown
+        name or one this device cannot run."""
+        from .fair_baseline import GenerateRun
+        if name not in ARMS:
+            raise ValueError(f"unknown transformers arm {name!r}: expected one of {', '.join(ARMS)}")
+        if name == "static_compiled" and self.device.type != "cuda":
+            raise ValueError("static_compiled: transformers auto-compiles generate() on CUDA only")
+        opts = dict(ARMS[name])
+        masked = opts.pop("masked", False)
+
+        @torch.no_grad()
+        def run(batch: int, new_tokens: int) -> GenerateRun:
+            ids = self.prompts(batch)
+            extra = {"attention_mask": torch.ones_like(ids)} if masked else {}
+            clock = TokenClock(self.device)
+            ev = self.evidence.setdefault(name, {"cache_classes": []})
+            # the hook records which cache the forward got; not on the compiled arm, where a hook
+            # added and removed around each call would be a guard to recompile on
+            hook = None if name == "static_compiled" else \
+                self.model.register_forward_pre_hook(self._note_cache(ev), with_kwargs=True)
+            try:
+                _sync()
+                t0 = time.perf_counter()
+                out = self.model.generate(input_ids=ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                          do_sample=False, pad_token_id=self.pad, streamer=clock, **extra, **opts)
+                _sync()
+                total = time.perf_counter() - t0
+            finally:
+                if hook is not None:
+                    hook.remove()
+            if out.shape[1] != ids.shape[1] + new_tokens:
+                raise RuntimeError(f"{name}: generate returned {out.shape[1] - ids.shape[1]} new tokens, "
+                                   f"asked for {new_tokens}")
+            stamps = clock.seconds()
+            if len(stamps) != new_tokens:
+                raise RuntimeError(f"{name}: the streamer saw {len(stamps)} token steps, expected {new_tokens}")
+            if name == "static_compiled":
+                ev["compiled_step"] = hasattr(self.model, "_compiled_call")
+            return GenerateRun(total, stamps)
+        return run
+
+    @staticmethod
+    def _note_cache(ev: dict[str, Any]):
+        def hook(module, args, kwargs):
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            cls = type(cache).__name__ if cache is not None else None
+            if cls not in ev["cache_classes"]:
+                ev["cache_classes"].append(cls)
+        return hook
+
+    @torch.no_grad()
+    def prefill(self, tokens: int) -> float:
+        gen = torch.Generator().manual_seed(self.seed + tokens)
+        ids = torch.randint(0, self.vocab, (1, tokens), generator=gen).to(self.device)
+        return _timed(lambda: self.model(input_ids=ids, use_cache=False))
