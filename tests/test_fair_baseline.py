@@ -266,6 +266,32 @@ def test_the_whole_pipeline_on_cpu(tmp_path, capsys):
     assert all(len(v) == 5 for v in s["transformers_bf16_decode_runs"].values())
     assert s["engine_row"] == "batched_decode", "the top counted row on the CPU"
     assert s["rejected_arms"]["static_compiled"].startswith("rejected: static_compiled: transformers auto-compiles")
-    assert doc["peer"]["evidence"]["dynamic"]["cache_classes"] == ["DynamicCache"]
+    assert doc["peer"]["evidence"]["dynamic"] == {"cache_classes": ["DynamicCache"], "attention_mask": ["none"]}
     assert doc["fair"]["warm_passes"]["dynamic/B2/T4"] >= 1 and doc["fair"]["warm_passes"]["engine/B2/T3"] >= 1
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == s, "the last line is the summary"
+
+
+def test_the_peer_runs_the_transformers_fixture_checkpoint():
+    """--peer-checkpoint: the tiny Kimi Linear fixture of the installed transformers loads and its
+    arms stamp every new token; the forward's evidence says which cache and mask it got."""
+    transformers = pytest.importorskip("transformers")
+    from pathlib import Path
+
+    import torch
+    from k3verify.perf.fair_baseline import stamped_rate
+    from k3verify.perf.transformers_kimi import KimiLinearPeer
+    ckpt = Path(__file__).parent / "fixtures" / "transformers" / transformers.__version__ / "checkpoint"
+    if not ckpt.is_dir():
+        pytest.skip(f"no Kimi Linear fixture for transformers {transformers.__version__}")
+    peer = KimiLinearPeer(None, torch.float32, "cpu", 8, checkpoint=str(ckpt))
+    for name in ("dynamic", "static"):
+        run = peer.arm(name)(2, 4)
+        assert len(run.token_s) == 4 and all(a < b for a, b in zip(run.token_s, run.token_s[1:]))
+        assert run.total_s >= run.token_s[-1] > 0 and stamped_rate(run, 2, 1, 3) > 0
+    assert peer.evidence["dynamic"]["cache_classes"] == ["DynamicCache"]
+    assert peer.evidence["dynamic"]["attention_mask"] == ["none"], "the unmasked arm must reach the forward unmasked"
+    assert peer.evidence["static"]["cache_classes"] == ["StaticCache"]
+    with pytest.raises(ValueError, match="static_compiled: transformers auto-compiles generate.. on CUDA only"):
+        peer.arm("static_compiled")
+    with pytest.raises(ValueError, match="unknown transformers arm 'fast'"):
+        peer.arm("fast")

@@ -165,7 +165,7 @@ class KimiLinearPeer:
     """transformers' KimiLinearForCausalLM at our model's dims (or a checkpoint directory), with
     fixed seeded prompts per batch size, timed through generate() and a cache-less forward."""
 
-    def __init__(self, cfg: K3Config, dtype: torch.dtype, device: str, context: int, *,
+    def __init__(self, cfg: K3Config | None, dtype: torch.dtype, device: str, context: int, *,
                  checkpoint: str | None = None, attn: str = "sdpa", seed: int = 0) -> None:
         import transformers
         from transformers import KimiLinearForCausalLM
@@ -243,6 +243,12 @@ class KimiLinearPeer:
             cls = type(cache).__name__ if cache is not None else None
             if cls not in ev["cache_classes"]:
                 ev["cache_classes"].append(cls)
+            # generate() may build a mask itself: what the forward got is the evidence
+            mask = kwargs.get("attention_mask")
+            kind = "none" if mask is None else ("all-ones" if bool((mask == 1).all()) else "padded") \
+                if isinstance(mask, torch.Tensor) else type(mask).__name__
+            if kind not in ev.setdefault("attention_mask", []):
+                ev["attention_mask"].append(kind)
         return hook
 
     @torch.no_grad()
