@@ -27,7 +27,6 @@ transformers (fair_bench.py builds them).
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
@@ -216,8 +215,9 @@ def measure_decode(subj: Subjects, cfg: FairConfig, batch: int, rec: Recorder, d
     cell["best_arm"] = best
     if best:
         cell["ratio"] = cell["arms"][best]["ratio"]
-    log(f"decode B={batch}: engine {cell['engine']['median']:.1f} tok/s; "
-        + ", ".join(f"{a} {d['median']:.1f} (x-check {d['difference']['median']:.1f})" for a, d in cell["arms"].items()))
+    arms_line = ", ".join(f"{a} {d['median']:.1f} (x-check {d['difference']['median']:.1f})"
+                          for a, d in cell["arms"].items())
+    log(f"decode B={batch}: engine {cell['engine']['median']:.1f} tok/s; {arms_line}")
     return cell
 
 

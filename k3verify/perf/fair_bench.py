@@ -121,6 +121,8 @@ def print_table(doc: dict[str, Any], s: dict[str, Any], dtype: str) -> None:
                   f"{d['difference']['median']:9.1f}{'' if d['cross_check']['agree'] else '!'} "
                   f"{r['engine_over_arm']:7.2f}x [{r['ci95'][0]:5.2f},{r['ci95'][1]:5.2f}]")
             first = False
+        if not c["arms"]:
+            print(f" {'(no arm measured)':>16}")
         for a, why in c["dropped"].items():
             print(f"{'':33} {a:>16} {why}")
     for t, c in doc["fair"]["prefill"].items():

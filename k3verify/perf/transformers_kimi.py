@@ -6,8 +6,11 @@ latent MoE, so its experts run at the hidden width: it is the same-dims peer the
 with, not the same model. Random init (speed does not depend on the values); the KDA kernels are
 whatever transformers picks at import (fla when installed: recorded in the result).
 
-Decode tok/s net of prefill: generate(B prompts of L tokens, N new) minus generate(..., 1 new),
-B*(N-1) tokens over the difference. Prefill tok/s: one forward of T tokens without a cache.
+bench_kimi_linear (fast_bench's section 4): decode tok/s net of prefill: generate(B prompts of L
+tokens, N new) minus generate(..., 1 new), B*(N-1) tokens over the difference, one timed call
+after a 2-token warm-up, with an all-ones attention_mask. On the H200 that figure read 3-4x low
+(fla tuning inside the timed call; the mask): the fair figure is fair_bench.py's, through
+KimiLinearPeer below. Prefill tok/s: one forward of T tokens without a cache.
 The config uses the checkpoint spelling (linear_attn_config, 1-indexed layer lists), which every
 transformers release with Kimi Linear reads (5.17 on the GPU image, tests/peer_fixtures.py).
 """
