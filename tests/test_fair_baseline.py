@@ -235,9 +235,13 @@ def test_bad_config_is_refused_by_name(kw, match):
 @pytest.mark.parametrize("argv, match", [
     (["--repeats", "3"], "repeats must be >= 5"),
     (["--arms", "dynamic,fastest"], "--arms: unknown fastest"),
+    (["--out-is-a-file"], "cannot create"),
 ])
 def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys, argv, match):
     from k3verify.perf import fair_bench
+    if argv == ["--out-is-a-file"]:
+        (tmp_path / "f").write_text("")
+        tmp_path, argv = tmp_path / "f", []
     assert fair_bench.main(["--out", str(tmp_path), "--device", "cpu"] + argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and match in err[0], err

@@ -18,13 +18,13 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from k3verify.io import atomic_write_text
+from k3verify.errors import UsageError
+from k3verify.io import atomic_write_text, make_dir
 
 from .fair_baseline import FairConfig, Subjects, run_fair_baseline, summary_fields
 
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     try:
         return run(args)
-    except (BadInput, ValueError) as exc:
+    except (BadInput, UsageError, ValueError) as exc:
         print(f"fair_bench: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2
 
@@ -165,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
                            cross_check_tol=args.cross_check_tol, headline_batch=args.headline_batch)
     if args.context < 1:
         raise BadInput(f"--context must be >= 1, got {args.context}")
-    out_dir = Path(args.out)
+    out_dir = make_dir(args.out)              # before minutes of measuring, not after
 
     def log(msg: str) -> None:
         print(f"[{time.monotonic() - t_start:6.1f}s] {msg}", file=sys.stderr, flush=True)
