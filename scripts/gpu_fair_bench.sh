@@ -4,8 +4,11 @@
 # 1. python -m k3verify.perf.fair_bench (one process): k3-small bf16, B = 1, 64, 256, context
 #    512, N = 128 decode tokens after k = 8, 6 interleaved rounds against the top counted engine
 #    row, transformers arms dynamic (no mask), masked (all-ones mask), static (static cache),
-#    prefill 4096. --budget-s bounds it (~4 min; optional arms that do not fit are dropped with
-#    the projection that dropped them).
+#    prefill 4096. --budget-s 240 (from the process start) bounds the optional static arm; the
+#    engine, dynamic and masked always run 6 rounds at every B. Expected 4-5 min: ~30 s load and
+#    contracts, ~100 s prewarm (fla compiles for KDA head 128), then per B 6 x (engine ~1.5 s +
+#    2 arms x generate(136)+generate(8)) + one warm pass; at 20 ms a transformers step that is
+#    ~55 s a B. The static arm joins where it fits.
 # 2. (COMPILED=0 skips) the compiled arm in its own process at B = 64, under its own timeout:
 #    transformers compiles generate()'s decode step with a static cache, a compile of unknown
 #    length that must not cost the measurement above.
@@ -27,7 +30,7 @@ export PYTHONPATH=/tmp/site:$PWD
 } > "$OUT/env.log" 2>&1
 cat "$OUT/env.log"
 # shellcheck disable=SC2086
-timeout "${FAIR_TIMEOUT_S:-330}" python3 -m k3verify.perf.fair_bench --out "$OUT" --budget-s "${FAIR_BUDGET_S:-220}" \
+timeout "${FAIR_TIMEOUT_S:-330}" python3 -m k3verify.perf.fair_bench --out "$OUT" --budget-s "${FAIR_BUDGET_S:-240}" \
   --arms dynamic,masked,static ${FAIR_ARGS:-} > "$OUT/bench.log" 2>&1
 echo "fair_bench rc=$?"
 grep -v "falling back" "$OUT/bench.log" | tail -30

@@ -199,11 +199,12 @@ def test_optional_arms_that_do_not_fit_the_budget_are_dropped_with_the_projectio
     def slow(batch, n):
         time.sleep(0.01)
         return GenerateRun(0.01 * n + 0.05, [0.05 + 0.01 * (i + 1) for i in range(n)])
-    subj = Subjects(fake_engine(), {"dynamic": slow, "masked": slow}, masked_arm="masked")
+    subj = Subjects(fake_engine(), {"dynamic": slow, "masked": slow, "static": slow}, masked_arm="masked")
     doc = run_fair_baseline(subj, FairConfig(**{**CFG.__dict__, "batches": (4,), "prefill": (), "budget_s": 0.05}))
     cell = doc["decode"]["4"]
-    assert cell["order"] == [ENGINE, "dynamic"], "the first arm is required whatever the budget"
-    assert cell["dropped"]["masked"].startswith("budget: 5 rounds projected")
+    assert cell["order"] == [ENGINE, "dynamic", "masked"], "the first two arms are required whatever the budget"
+    assert cell["dropped"]["static"].startswith("budget: 5 rounds projected")
+    assert "budget" in summary_fields(doc, "bf16")["rejected_arms"]["B4:static"]
 
 
 def test_the_summary_fields():
@@ -225,6 +226,7 @@ def test_the_summary_fields():
     ({"new_tokens": 1}, r"new_tokens \(N\) must be >= 2"),
     ({"skip_tokens": 0}, r"skip_tokens \(k\) must be >= 1"),
     ({"batches": ()}, "batches must be positive"),
+    ({"required_arms": 0}, "required_arms must be >= 1"),
 ])
 def test_bad_config_is_refused_by_name(kw, match):
     with pytest.raises(ValueError, match=match):

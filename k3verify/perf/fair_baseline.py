@@ -9,7 +9,9 @@ What makes it fair, each with the evidence it leaves in the result:
 - the peer's fastest configuration: each arm is one documented way to call generate() (no
   attention_mask for equal-length prompts, a static cache, a compiled step); an arm that the
   model class rejects is recorded with the reason, and the peer's figure is the best arm's. The
-  masked arm (an all-ones attention_mask) is reported beside it.
+  masked arm (an all-ones attention_mask) is reported beside it. The first `required_arms` arms
+  (dynamic, masked) always run; a later one joins a batch's rounds only when its warm pass,
+  times the repeats, fits what is left of the budget (else it is dropped, with that projection).
 - repeated and interleaved in one process: rounds of (engine, arm 1, arm 2, ...), the order
   reversed every other round (A B C, C B A, ...), so drift lands on both sides.
 - statistics: per subject the median with its order-statistic interval (ab.median_ci); the ratio
@@ -72,6 +74,7 @@ class FairConfig:
     warm: bool = True                   # False only for the cold diagnostic (negative control)
     cross_check_tol: float = 0.15       # |difference rate / stamped rate - 1| allowed
     budget_s: float = math.inf          # optional arms are dropped when their projection does not fit
+    required_arms: int = 2              # the first arms run whatever the budget (dynamic, masked)
     headline_batch: int = 64
 
     def __post_init__(self) -> None:
@@ -83,6 +86,8 @@ class FairConfig:
             raise ValueError(f"skip_tokens (k) must be >= 1 (generate(k) includes the prefill), got {self.skip_tokens}")
         if self.repeats < 5:
             raise ValueError(f"repeats must be >= 5 (an interval of the median needs them), got {self.repeats}")
+        if self.required_arms < 1:
+            raise ValueError(f"required_arms must be >= 1, got {self.required_arms}")
         if not 0 < self.cross_check_tol < 1:
             raise ValueError(f"cross_check_tol must be in (0, 1), got {self.cross_check_tol}")
 
@@ -173,9 +178,9 @@ def measure_decode(subj: Subjects, cfg: FairConfig, batch: int, rec: Recorder, d
                 cell["dropped"][name] = f"rejected: {_reason(exc)}"
                 arms.remove(name)
                 log(f"decode B={batch}: arm {name} {cell['dropped'][name]}")
-        # the first arm is required; the others join while the projection of all rounds fits
-        keep = [ENGINE] + arms[:1]
-        for name in arms[1:]:
+        # the first arms are required; the others join while the projection of all rounds fits
+        keep = [ENGINE] + arms[:cfg.required_arms]
+        for name in arms[cfg.required_arms:]:
             projected = cfg.repeats * sum(warm_s[s] for s in keep + [name])
             left = deadline - time.monotonic()
             if projected <= left:
