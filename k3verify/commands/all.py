@@ -13,7 +13,9 @@ caught, a gate failed), 2 when the run could not be made (bad suite, unknown tog
 """
 from __future__ import annotations
 
+import argparse
 import sys
+import time
 from pathlib import Path
 
 from rich.table import Table
@@ -46,6 +48,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--shard", default=None, metavar="I/N",
                         help="internal: run shard I of N of a resumed run's units and write no report (a worker "
                              "of --jobs)")
+    parser.add_argument("--time-limit", type=float, default=None, metavar="S",
+                        help="start no unit after S seconds: the units left are inconclusive rows naming the "
+                             "limit (not recorded, so --resume runs them), the verdict is never pass; a gate "
+                             "with a time budget (the GPU release suite: 600 s) still writes its report")
+    parser.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)   # a worker's: epoch s
     add_model_flag(parser)
     add_device_flag(parser)
     add_json_flag(parser)
@@ -118,7 +125,8 @@ def verdict_table(report: dict) -> Table:
 def _worker_args(args) -> list[str]:
     """The flags a worker needs besides --resume / --shard (device and dtype come from the plan)."""
     return ([*(["--allow-nonfinite-weights"] if args.allow_nonfinite_weights else []),
-             *(["--allow-weight-cast"] if args.allow_weight_cast else [])])
+             *(["--allow-weight-cast"] if args.allow_weight_cast else []),
+             *(["--deadline", repr(args.deadline)] if args.deadline is not None else [])])
 
 
 def _run_shard(plan: dict, model, run_dir: Path, shard: tuple[int, int], args) -> int:
@@ -127,7 +135,7 @@ def _run_shard(plan: dict, model, run_dir: Path, shard: tuple[int, int], args) -
     i, n = shard
     mine = assign(run_all.plan_units(plan), n)
     _, ran = run_all.execute(plan, model, run_dir, load_options=model_load_options(args),
-                             only=lambda u: mine[u.id] == i)
+                             only=lambda u: mine[u.id] == i, deadline=args.deadline)
     print(f"shard {i}/{n} of {plan['run_id']}: {ran} units run", file=sys.stderr)
     return 0
 
@@ -148,7 +156,7 @@ def _run_jobs(plan: dict, model, run_dir: Path, args) -> int:
     try:
         with Display([u for u in units if mine[u.id] == 0]) as display:
             _, ran = run_all.execute(plan, model, run_dir, display=display, load_options=model_load_options(args),
-                                     only=lambda u: mine[u.id] == 0)
+                                     only=lambda u: mine[u.id] == 0, deadline=args.deadline)
     except BaseException:
         for _, proc, _ in procs:            # Ctrl-C or a usage error here: the workers stop too (resumable)
             proc.terminate()
@@ -176,6 +184,12 @@ def run(args) -> int:
     from optimized_stack import load_model
 
     command = command_line()
+    if args.time_limit is not None:
+        if not (args.time_limit > 0 and args.time_limit < 1e7):      # NaN fails both
+            raise UsageError(f"--time-limit must be a number of seconds in (0, 1e7), got {args.time_limit}")
+        if args.shard is not None:
+            raise UsageError("--time-limit is the parent's; a --shard worker gets its deadline from it")
+        args.deadline = time.time() + args.time_limit
     if isinstance(args.jobs, bool) or not 1 <= args.jobs <= 64:
         raise UsageError(f"--jobs must be an integer in 1..64, got {args.jobs}")
     shard = None
@@ -220,7 +234,8 @@ def run(args) -> int:
     if args.jobs > 1:
         ran_first = _run_jobs(plan, model, run_dir, args)
     with Display(run_all.plan_units(plan)) as display:     # all units; what the jobs left is run here
-        results, ran = run_all.execute(plan, model, run_dir, display=display, load_options=model_load_options(args))
+        results, ran = run_all.execute(plan, model, run_dir, display=display, load_options=model_load_options(args),
+                                       deadline=args.deadline, time_limit_s=args.time_limit)
     ran += ran_first
     con = console()
     patch_line = None

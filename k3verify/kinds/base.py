@@ -158,6 +158,9 @@ class Context:
         self.device = next(model.parameters()).device.type if model is not None else "cpu"
         self.tp_backend = tp_backend          # torch.distributed backend of W > 1 runs (nccl on GPUs)
         self._runners: dict[tuple[int, str], Any] = {}
+        # the reference path's answers to a quality gate's prompts, reused by the next toggle's
+        # unit in this process: the reference is deterministic, so only the candidates rerun
+        self.reference_answers: dict[tuple, list[str]] = {}
 
     def runner(self, world_size: int = 1, backend: str | None = None):
         from k3verify.run.runner import Runner

@@ -6,7 +6,9 @@ local-completions model). With a toggle the same questions and prompts (same few
 are answered again with the toggle applied, joined per question and judged by the paired
 test at `margin`: pass, fail, or inconclusive when n cannot resolve the margin; never a raw
 score compare. `smoke` marks the results as a smoke test (counts toward no verdict; a fail
-still fails). One unit per toggle, or one reference unit when the check names none.
+still fails). `batch` > 1 answers that many questions at once through the engine's continuous
+batching (evals/engine_generate.py: the same answers, bit for bit; on a GPU the one-at-a-time
+loop is all host dispatch). One unit per toggle, or one reference unit when the check names none.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from .base import (CheckSpec, Context, OptionError, Unit, check_fraction, check_
 NAME = "gsm8k"
 OPTIONS = {"toggles": None, "dataset": "synth", "limit": 20, "data_dir": None, "base_url": None,
            "model_name": None, "num_fewshot": 5, "fewshot_seed": 1234, "max_new_tokens": 256, "margin": 0.01,
-           "alpha": 0.05, "beta": 0.2, "min_accuracy": None, "smoke": False}
+           "alpha": 0.05, "beta": 0.2, "min_accuracy": None, "smoke": False, "batch": 1}
 DATASETS = ("synth", "gsm8k")
 OPENAI_TEST_N = 1319            # openai/gsm8k's test split
 SETUP_S = 10.0                  # lm-eval set-up per side (progress only)
@@ -63,6 +65,7 @@ def validate(o: dict) -> None:
     check_int(o["num_fewshot"], "num_fewshot", 0)
     check_int(o["fewshot_seed"], "fewshot_seed", 0)
     check_int(o["max_new_tokens"], "max_new_tokens", 1)
+    check_int(o["batch"], "batch", 1, "questions at once")
     check_fraction(o["margin"], "margin", nullable=False, closed=False)
     for key in ("alpha", "beta"):
         if not is_number(o[key]) or not 0.0 < o[key] < 0.5:
@@ -97,7 +100,7 @@ def questions(o: dict) -> int:
 
 
 def question_s(o: dict) -> float:
-    return 0.1 * o["max_new_tokens"] + 2.0 * o["num_fewshot"]
+    return (0.1 * o["max_new_tokens"] + 2.0 * o["num_fewshot"]) / min(o["batch"], 8)
 
 
 def cost_s(unit: Unit) -> float:
@@ -120,22 +123,38 @@ def run(unit: Unit, ctx: Context) -> list[Result]:
         if not is_loopback(o["base_url"]):
             print(f"note: sending GSM8K prompts to {o['base_url']}", file=sys.stderr)
     else:
+        from k3verify.quality.evals.engine_generate import engine_generate_fn
         from k3verify.quality.evals.gsm8k import greedy_generate_fn
         from optimized_stack.tokenizer import load_tokenizer
-        ref_fn = greedy_generate_fn(ctx.model, load_tokenizer(ctx.model_arg))
+        tok = load_tokenizer(ctx.model_arg)
+        ref_fn = (engine_generate_fn(ctx.model, tok, batch=o["batch"]) if o["batch"] > 1
+                  else greedy_generate_fn(ctx.model, tok))
 
     def counted(prompts, *a, **kw):              # one progress item per question answered, either side
         out = ref_fn(prompts, *a, **kw)
         ctx.progress.advance(len(prompts))
         return out
     cand_fn = toggled(counted, [unit.toggle]) if unit.toggle else None
-    gate = gsm8k_gate(counted, cand_fn, toggle=unit.toggle, margin=o["margin"], alpha=o["alpha"], beta=o["beta"],
+    reference = counted if endpoint else remembered(counted, ctx.reference_answers, (NAME, id(ctx.model), o["batch"]))
+    gate = gsm8k_gate(reference, cand_fn, toggle=unit.toggle, margin=o["margin"], alpha=o["alpha"], beta=o["beta"],
                       min_accuracy=o["min_accuracy"], smoke=o["smoke"], progress=ctx.progress.note,
                       dataset=o["dataset"], data_dir=o["data_dir"], limit=o["limit"], num_fewshot=o["num_fewshot"],
-                      seed=o["fewshot_seed"], max_new_tokens=o["max_new_tokens"])
+                      seed=o["fewshot_seed"], max_new_tokens=o["max_new_tokens"], batch_size=max(8, o["batch"]))
     for r in gate.results:
         r.tag(gate=NAME, **({"endpoint": endpoint} if endpoint else {}))
     return gate.results
+
+
+def remembered(generate_fn, answers: dict, key: tuple):
+    """The reference side's generate_fn, answering prompts it has answered before in this process
+    from `answers`. Only ever the reference side: the candidate wraps the plain function, so a
+    toggle's answers are always computed (tests/test_engine_generate.py holds that)."""
+    def generate(prompts: list[str], max_new_tokens: int, stop: list[str]) -> list[str]:
+        k = (*key, tuple(prompts), max_new_tokens, tuple(stop))
+        if k not in answers:
+            answers[k] = list(generate_fn(prompts, max_new_tokens, stop))
+        return list(answers[k])
+    return generate
 
 
 def endpoint_generate_fn(base_url: str, model_name: str | None, timeout_s: float = 600.0):

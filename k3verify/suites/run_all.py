@@ -178,11 +178,24 @@ def write_plan(plan: dict, run_dir: Path) -> None:
         atomic_write_json(run_dir / "plan.json", plan)
 
 
+def out_of_time(unit: Unit, time_limit_s: float | None) -> list[dict]:
+    """The row of a unit that was not started because the run's time limit had passed: inconclusive
+    (never a pass, never a fail of the change), not written to a checks file so --resume runs it."""
+    limit = f"the run's --time-limit of {time_limit_s:g} s" if time_limit_s else "the run's time limit"
+    row = Result.inconclusive(_subject(unit.toggle), unit.kind, f"not run: {limit} passed before this unit started",
+                              scenario=unit.scenario, not_run="time_limit")
+    if unit.kind in QUALITY_KINDS:
+        row.tag(gate=unit.kind)
+    return [row.tag(unit=unit.id, suite_check=unit.check, **({"model": unit.model} if unit.model else {})).to_dict()]
+
+
 def execute(plan: dict, model, run_dir: Path, *, display=None, load_options: dict | None = None,
             after_unit: Callable[[Unit], None] | None = None,
-            only: Callable[[Unit], bool] | None = None) -> tuple[list[dict], int]:
+            only: Callable[[Unit], bool] | None = None, deadline: float | None = None,
+            time_limit_s: float | None = None) -> tuple[list[dict], int]:
     """Run the plan's unfinished units; returns (all results in plan order, units run now). With
-    `only` (a shard of `all --jobs`), units it rejects are neither run nor reported."""
+    `only` (a shard of `all --jobs`), units it rejects are neither run nor reported. Past
+    `deadline` (time.time() seconds) no unit starts: each left is an out_of_time row."""
     write_plan(plan, run_dir)
     expect = provenance(plan)
     check_finished(plan, run_dir)            # a foreign checks file: exit 2 before any unit runs
@@ -199,7 +212,9 @@ def execute(plan: dict, model, run_dir: Path, *, display=None, load_options: dic
             if only is not None and not only(unit):
                 continue
             rows = finished(run_dir, unit, expect)
-            if rows is None:
+            if rows is None and deadline is not None and time.time() >= deadline:
+                rows = out_of_time(unit, time_limit_s)
+            elif rows is None:
                 if display:
                     display.start(unit)
                 t0 = time.perf_counter()

@@ -113,6 +113,27 @@ class Engine:
         self._future.append(req)
         return rid
 
+    def stop_request(self, request_id: str) -> None:
+        """Finish a request now, between steps (finish_reason "stop"), as a server does when a stop
+        string shows up in the decoded text. Other requests' rows never depend on it (row-stable
+        ops), so stopping one changes nothing for the rest. A finished request is left as it is."""
+        req = self._requests.get(request_id)
+        if req is None:
+            raise K3Error(f"stop_request: no request {request_id!r}")
+        if req.request_id in self.results:
+            return
+        if req in self._future or req in self.scheduler.waiting:
+            if req.admitted_once:
+                # preempted: the store may hold its state, and only a running request is released
+                raise K3Error(f"stop_request: {request_id!r} is preempted; stop it once it runs again")
+            # never admitted: nothing was computed and nothing is held for it
+            (self._future if req in self._future else self.scheduler.waiting).remove(req)
+            req.finish_reason, req.status = "stop", "finished"
+            self.results[req.request_id] = RequestResult(list(req.prompt), list(req.generated), "stop")
+            return
+        req.finish_reason = "stop"
+        self._finish(req)
+
     def has_unfinished(self) -> bool:
         return bool(self._future or self.scheduler.waiting or self.scheduler.running)
 

@@ -1,0 +1,107 @@
+"""The batched generate_fn the quality gates use on a GPU answers exactly as the one-at-a-time
+reference does, and the comparison can fail."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3verify.quality.evals import gsm8k_synth
+from k3verify.quality.evals.engine_generate import engine_generate_fn
+from k3verify.quality.evals.gsm8k import greedy_generate_fn
+from optimized_stack.model import ops
+from optimized_stack.engine.engine import Engine
+from optimized_stack.engine.options import EngineOptions, SamplingParams
+from optimized_stack.errors import K3Error
+from optimized_stack.loading import load_model
+from optimized_stack.tokenizer import load_tokenizer
+
+STOP = ["\n\nQuestion:"]
+
+
+@pytest.fixture(scope="module")
+def model_and_tok():
+    torch.manual_seed(0)
+    return load_model(None), load_tokenizer(None)
+
+
+def _prompts(n: int) -> list[str]:
+    # zero-shot: the CPU reference computes rows one by one, so short prompts keep this in seconds
+    return [f"Question: {d['question']}\nAnswer:" for d in gsm8k_synth.generate("test", n, seed=9)]
+
+
+def test_batched_answers_equal_one_at_a_time(model_and_tok):
+    model, tok = model_and_tok
+    prompts = _prompts(3)
+    ref = greedy_generate_fn(model, tok)(prompts, 20, STOP)
+    gen = engine_generate_fn(model, tok, batch=2, token_budget=24)
+    out = gen(prompts, 20, STOP)
+    assert out == ref
+    assert any(ref), "every answer empty: nothing was compared"
+    # evidence it batched: 3 prompts through 2 slots, several requests in one step
+    assert gen.stats["prompts"] == 3 and gen.stats["most_running"] >= 2
+
+
+def test_comparison_fails_when_one_side_is_wrong(model_and_tok):
+    """Negative control: a seeded fault on the batched side only parts the answers."""
+    model, tok = model_and_tok
+    prompts = _prompts(3)
+    ref = greedy_generate_fn(model, tok)(prompts, 16, STOP)
+    plain = ops.OPS.linear
+    with ops.override(linear=lambda x, w, *a, **k: plain(x, w, *a, **k) * 0.7):
+        out = engine_generate_fn(model, tok, batch=3)(prompts, 16, STOP)
+    assert out != ref
+
+
+def test_stop_request_frees_the_slot_and_keeps_the_rest(model_and_tok):
+    model, _ = model_and_tok
+    eng = Engine(model, EngineOptions(continuous_batching=True, max_num_seqs=2, token_budget=24))
+    a = eng.add_request([1, 2, 3, 4], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    b = eng.add_request([5, 6, 7], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    c = eng.add_request([8, 9], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    eng.step()
+    eng.step()
+    eng.stop_request(a)
+    eng.stop_request(c)                    # still waiting: removed without running
+    res = eng.run()
+    assert res[a].finish_reason == "stop" and len(res[a].tokens) < 6
+    assert res[c].finish_reason == "stop" and res[c].tokens == []
+    solo = Engine(model, EngineOptions())
+    rid = solo.add_request([5, 6, 7], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert solo.run()[rid].tokens == res[b].tokens
+    with pytest.raises(K3Error, match="no request"):
+        eng.stop_request("nope")
+
+
+def test_gsm8k_units_reuse_the_reference_answers_never_the_candidates(monkeypatch, tmp_path):
+    """Two toggles' gsm8k units in one process: the reference answers once, each candidate
+    answers itself. Negative control: a candidate that answers wrongly fails its gate, which it
+    could not if it were read from the reference's cache."""
+    import k3verify.quality.evals.gsm8k as ev
+    from k3verify.kinds import gsm8k as kind
+    from k3verify.kinds.base import Context, Unit
+
+    calls = []
+
+    def fake_greedy(model, tokenizer, add_bos=False):
+        def generate(prompts, max_new_tokens, stop):
+            faulty = ops.OPS.moe_route is not None          # mut_router_bias_in_weights swaps it
+            calls.append(("cand" if faulty else "ref", len(prompts)))
+            out = []
+            for p in prompts:
+                q = p.rsplit("Question: ", 1)[-1]
+                out.append(" #### 0" if faulty else f" #### {ANSWERS[q.split(chr(10))[0]]}")
+            return out
+        return generate
+
+    from k3verify.quality.evals import gsm8k_synth as synth
+    ANSWERS = {d["question"]: d["answer"].split("####")[-1].strip() for d in synth.generate("test", 300)}
+    monkeypatch.setattr(ev, "greedy_generate_fn", fake_greedy)
+    model, _ = load_model(None), None
+    ctx = Context(model, model_arg=None, run_dir=tmp_path)
+    opts = {**kind.OPTIONS, "limit": 300, "num_fewshot": 0}
+    good = kind.run(Unit("gsm8k", "g", opts, "gemm_per_shape"), ctx)
+    bad = kind.run(Unit("gsm8k", "g", opts, "mut_router_bias_in_weights"), ctx)
+    assert sum(n for side, n in calls if side == "ref") == 300 * 2   # reference once, gemm_per_shape's side once
+    assert sum(n for side, n in calls if side == "cand") == 300
+    assert all(r.status == "pass" for r in good)
+    assert all(r.status == "fail" for r in bad)

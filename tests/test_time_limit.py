@@ -1,0 +1,48 @@
+"""`k3verify all --time-limit S`: a gate with a time budget (the GPU release suite's 600 s) still
+writes its report; the units it had no time for are inconclusive rows, never a pass, and a resume
+runs them."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from k3verify import cli
+
+SUITE = '''version = 2
+[[check]]
+kind = "diff"
+toggles = ["state_offload_roundtrip"]
+scenarios = ["single", "multi_length"]
+scale = 0.25
+'''
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return json.loads((run_dir / "report.json").read_text(encoding="utf-8"))["results"]
+
+
+def test_units_past_the_limit_are_inconclusive_and_a_resume_runs_them(tmp_path, capsys):
+    suite = tmp_path / "s.toml"
+    suite.write_text(SUITE, encoding="utf-8")
+    run_dir = tmp_path / "run"
+    # a limit that has passed before the first unit: nothing runs, nothing passes
+    assert cli.main(["all", "--suite", str(suite), "--report-dir", str(run_dir), "--time-limit", "1e-9"]) == 1
+    out = capsys.readouterr().out
+    rows = _rows(run_dir)
+    assert rows and all(r["status"] == "inconclusive" and r.get("not_run") == "time_limit" for r in rows)
+    assert "--time-limit of 1e-09 s passed" in rows[0]["reason"]
+    assert "0 of 2 units run now" in out, out
+    assert not list((run_dir / "checks").glob("*.json")), "an unrun unit must not be recorded as finished"
+    # negative control: the same units with time to run pass, and only the resume ran them
+    run_id = json.loads((run_dir / "plan.json").read_text(encoding="utf-8"))["run_id"]
+    assert cli.main(["all", "--resume", run_id, "--report-dir", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "2 of 2 units run now" in out, out
+    assert {r["status"] for r in _rows(run_dir)} >= {"pass"} and not any(r.get("not_run") for r in _rows(run_dir))
+
+
+def test_a_bad_time_limit_is_one_line(tmp_path, capsys):
+    for bad in ("0", "-5", "nan"):
+        assert cli.main(["all", "--time-limit", bad, "--report-dir", str(tmp_path / bad)]) == 2
+        err = capsys.readouterr().err
+        assert "--time-limit must be a number of seconds in (0, 1e7)" in err and "Traceback" not in err
