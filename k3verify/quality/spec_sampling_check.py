@@ -166,8 +166,11 @@ def sequence_counts(seqs: torch.Tensor, vocab: int) -> Counter:
 
 # ---- end to end: the engine with sampled speculation against the engine without ------------
 
-# a prompt whose tail recurs, so prompt lookup drafts at every decode step
-ENGINE_PROMPT = tuple(b"the the the the")
+# a prompt whose tail recurs and which the trained k3-mini continues as it drafts ("y have"), so
+# prompt lookup drafts at every decode step; at temperature 2.5 the drafts are kept with
+# probability ~0.9 and every outcome occurs (measured: accept_all 21, partial 1 of 24 requests)
+ENGINE_PROMPT = tuple(b"they have, they have, they have, the")
+ENGINE_TEMPERATURE = 2.5
 SAMPLED_EVENTS = ("spec_sampled_accept_all", "spec_sampled_accept_partial", "spec_sampled_reject_all")
 
 
@@ -196,7 +199,8 @@ class EngineReport:
                 "verdicts": {name: v.to_dict() for name, v in self.verdicts.items()}}
 
 
-def engine_samples(model, n: int, *, speculative: str | None, max_new_tokens: int = 3, temperature: float = 1.0,
+def engine_samples(model, n: int, *, speculative: str | None, max_new_tokens: int = 4,
+                   temperature: float = ENGINE_TEMPERATURE,
                    faults: tuple[str, ...] = (), seed0: int = 0, prompt: tuple[int, ...] = ENGINE_PROMPT,
                    ) -> tuple[torch.Tensor, dict[str, int]]:
     """n requests (seeds seed0 .. seed0+n-1) of the same prompt -> their generated tokens
@@ -213,8 +217,8 @@ def engine_samples(model, n: int, *, speculative: str | None, max_new_tokens: in
     return torch.tensor([results[r].tokens for r in ids], dtype=torch.long), dict(eng.events)
 
 
-def engine_check(model, n: int = 150, *, strategy: str = "copy_states", max_new_tokens: int = 3,
-                 temperature: float = 1.0, alpha: float = 1e-3, faults: tuple[str, ...] = (), seed: int = 0
+def engine_check(model, n: int = 150, *, strategy: str = "copy_states", max_new_tokens: int = 4,
+                 temperature: float = ENGINE_TEMPERATURE, alpha: float = 1e-3, faults: tuple[str, ...] = (), seed: int = 0
                  ) -> EngineReport:
     """The engine's first `max_new_tokens` generated tokens without speculation (seeds 0..n-1)
     and with sampled speculation (other seeds: independent streams), judged per statistic. The

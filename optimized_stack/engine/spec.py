@@ -220,7 +220,8 @@ class Speculator:
     # ---- verification -------------------------------------------------------------------
     def accept(self, req: Request, rows: torch.Tensor) -> list[int]:
         """rows [1 + len(draft), V] -> the tokens this step emits (accepted drafts + bonus),
-        before any stop / length cut."""
+        before any stop / length cut. A sampled request (spec_sampled) is verified by rejection
+        sampling (spec_sampling.py): distributed as plain sampling, not bit-identical to it."""
         draft = req.draft
         if req.params.temperature > 0:
             # rejection sampling against a point-mass q (the prompt-lookup drafter is deterministic)
