@@ -48,6 +48,10 @@ EVENTS = {
     "spec_accept_all": "a verification accepted every draft",
     "spec_accept_partial": "a verification accepted some drafts and rejected the rest",
     "spec_reject_all": "a verification rejected every draft",
+    # spec.py via spec_sampling.py: sampled (temperature > 0) verification outcomes
+    "spec_sampled_accept_all": "a sampled verification accepted every draft (the bonus token drawn from p)",
+    "spec_sampled_accept_partial": "a sampled verification accepted some drafts, the next token from the residual",
+    "spec_sampled_reject_all": "a sampled verification rejected the first draft, the token from the residual",
     # engine/fast/decoder.py: the batched decode step and its graphs
     "fast_decode_rows": "a request's decode row ran in the batched decode step (FastDecoder.run)",
     "fast_padded_rows": "the batched decode step ran padding rows up to the ladder size (FastDecoder.run)",

@@ -22,10 +22,10 @@ from types import ModuleType
 
 from k3verify.errors import UsageError
 
-from . import bench, diff, drift, golden, gsm8k, invariance, kvv, needle, patch_diff, selftest
+from . import bench, diff, drift, golden, gsm8k, invariance, kvv, needle, patch_diff, selftest, spec_sampling
 from .base import CheckSpec, Context, Unit, hint
 
-_MODULES = (selftest, diff, drift, golden, gsm8k, needle, kvv, bench, patch_diff, invariance)
+_MODULES = (selftest, diff, drift, golden, gsm8k, needle, kvv, bench, patch_diff, invariance, spec_sampling)
 _REQUIRED = ("NAME", "OPTIONS", "validate", "plan", "run", "cost_s")
 NOT_AVAILABLE = "not available in this build"
 # reserved kinds: name -> what will bring them

@@ -39,6 +39,9 @@ FAULTS = {
     "mut_spec_conv_not_compacted": "after a rejection the conv windows keep the rejected draft tokens",
     "mut_spec_accept_off_by_one": "greedy acceptance also keeps the first rejected draft token",
     "mut_spec_replay_closed_form": "speculative replay uses the chunked closed form, not the sequential recurrence",
+    "mut_spec_sampled_accept_sqrt": "sampled speculation accepts a draft with min(1, p/q) ** 0.5, not min(1, p/q)",
+    "mut_spec_sampled_resample_from_p": "sampled speculation draws the token after a rejection from p, not from "
+                                        "the residual max(0, p - q)",
     "mut_fast_pad_shares_table": "the batched decode step's padding rows use the first request's block table, "
                                  "not the scratch block",
     "mut_fast_conv_wrong_row": "the batched decode step stores request i's conv window from request i+1's input",
@@ -56,6 +59,7 @@ REQUIRES = {
     "host_kv_tier": "prefix_cache",
     "preemption": "continuous_batching",
     "speculative": "continuous_batching",
+    "spec_sampled": "speculative",
     # the fast step (engine/fast) attends over the projected K/V pool; it also needs the paged
     # store of continuous batching, checked in __post_init__ (one needed option per entry here)
     "batched_decode": "projected_kv_cache",
@@ -87,12 +91,15 @@ class EngineOptions:
     host_cache_tokens: int | None = None    # host tier capacity; None -> unbounded
     kda_pool_slots: int | None = None       # KDA state slots; None -> max_num_seqs (or 1)
     # speculative decoding (spec.py): rollback strategy, drafts per step, drafter; greedy
-    # requests only. forced_acceptance (mean tokens emitted per step) is for timing only:
+    # requests only unless spec_sampled. forced_acceptance (mean tokens emitted per step) is for timing only:
     # it accepts drafts regardless of the target, so its output is NOT the greedy stream.
     speculative: str | None = None
     num_draft_tokens: int = 3
     drafter: str = "ngram"
     forced_acceptance: float | None = None
+    # speculation for requests with temperature > 0 too, by rejection sampling (spec_sampling.py):
+    # the output distribution is the plain sampler's, the random stream is not (so not bitwise)
+    spec_sampled: bool = False
     # KDA grid the engine cuts calls and reuses state on (kernels/kda/grid.py): None follows the
     # KDA path in force (64 on the GPU profile, none on the CPU reference); 0 turns it off
     kda_grid: int | None = None

@@ -42,6 +42,12 @@ def check_row(row: torch.Tensor) -> None:
     raise NonFiniteLogits(kind, i, int((~finite).sum()), row.numel())
 
 
+def target_probs(rows: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The sampling distribution of logits rows [..., V] at temperature > 0, fp64 on the CPU
+    (one definition for the plain sampler and speculative sampling, spec_sampling.py)."""
+    return torch.softmax(rows.detach().to("cpu", torch.float64) / temperature, -1)
+
+
 class Sampler:
     def __init__(self, params: SamplingParams):
         self.params = params
@@ -55,5 +61,4 @@ class Sampler:
         if self.generator is None:
             return int(torch.argmax(row))             # first maximum on ties
         # fp64 on a single CPU row: no batch dependence, no rounding into zero probabilities
-        probs = torch.softmax(row.detach().to("cpu", torch.float64) / self.params.temperature, -1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        return int(torch.multinomial(target_probs(row, self.params.temperature), 1, generator=self.generator))

@@ -47,6 +47,7 @@ from ..model.ops import OPS
 from ..events import Events
 from .options import EngineOptions
 from .scheduler import Request
+from .spec_sampling import verify_sampled
 
 
 class NgramDrafter:
@@ -129,10 +130,9 @@ class Speculator:
         for req in requests:
             req.draft = self._draft(req) if self._eligible(req) else []
 
-    @staticmethod
-    def _eligible(req: Request) -> bool:
+    def _eligible(self, req: Request) -> bool:
         return (req.status == "running" and req.pending == 1 and not req.skip_generated
-                and req.params.temperature == 0)
+                and (req.params.temperature == 0 or self.opts.spec_sampled))
 
     def _draft(self, req: Request) -> list[int]:
         # never verify past max_new_tokens: a step emits at most len(draft) + 1 tokens
@@ -220,8 +220,17 @@ class Speculator:
     # ---- verification -------------------------------------------------------------------
     def accept(self, req: Request, rows: torch.Tensor) -> list[int]:
         """rows [1 + len(draft), V] -> the tokens this step emits (accepted drafts + bonus),
-        before any stop / length cut."""
+        before any stop / length cut. A sampled request (spec_sampled) is verified by rejection
+        sampling (spec_sampling.py): distributed as plain sampling, not bit-identical to it."""
         draft = req.draft
+        if req.params.temperature > 0:
+            # rejection sampling against a point-mass q (the prompt-lookup drafter is deterministic)
+            m, emitted = verify_sampled(rows, draft, req.params.temperature, req.sampler.generator,
+                                        faults=self.faults)
+            self.events.fire("spec_sampled_accept_all" if m == len(draft) else
+                             "spec_sampled_reject_all" if m == 0 else "spec_sampled_accept_partial")
+            self._count(len(draft), m)
+            return emitted
         target = [req.sampler.sample(rows[i]) for i in range(rows.shape[0])]
         if self.opts.forced_acceptance is not None:
             credit = self._credit.get(req.request_id, 0.0) + self.opts.forced_acceptance - 1
@@ -236,13 +245,16 @@ class Speculator:
                                  "spec_reject_all" if m == 0 else "spec_accept_partial")
             if "mut_spec_accept_off_by_one" in self.faults and m < len(draft):
                 m += 1                       # the first rejected draft is kept too
-        self.stats.verify_steps += 1
-        self.stats.drafted += len(draft)
-        self.stats.accepted += m
-        self.stats.emitted += m + 1
+        self._count(len(draft), m)
         if "mut_spec_bonus_off_by_one" in self.faults and draft and m == len(draft):
             return draft[:m] + [target[m - 1]]      # the bonus read from the row before the last
         return draft[:m] + [target[m]]
+
+    def _count(self, drafted: int, accepted: int) -> None:
+        self.stats.verify_steps += 1
+        self.stats.drafted += drafted
+        self.stats.accepted += accepted
+        self.stats.emitted += accepted + 1
 
     def rollback(self, req: Request, st: RequestState, record: Record, kept: int) -> None:
         """Leave in st.kda the state after the first `kept` verified tokens (1 <= kept <= T)."""
