@@ -6,8 +6,9 @@ endpoint, or KVV benchmark scores held to the vendor ranges (quality/kvv_gate.py
 or with `stack = "counted"` / `toggles = [...]` through the engine (serving/stack.py), its fast
 path included. Every row then names the stack it judged (`served_stack`, from the server's /stack
 and the X-K3verify-Stack header of every response), and one more row, kvv/served-stack, passes
-only if every response came from that stack and each named toggle's path events fired during the
-run (fast_decode_rows for batched_decode): not exercised otherwise. `import_file` reads KVV results
+only if every response came from that stack and one of each named toggle's own path events fired
+during the run (fast_decode_rows for batched_decode, graph_replay for cuda_graphs): not exercised
+otherwise. `import_file` reads KVV results
 (JSON or CSV) instead. Each check is one result, pass / fail / skip with its reason; a skip
 says what it would need (most often a real K3 endpoint). The API key, if any, is read from
 OPENAI_API_KEY.
@@ -137,8 +138,14 @@ def served_stack_result(stack, label: str, headers: Counter, fired: dict[str, in
     if label != stack.label or others or not headers:
         return Result.failed(subject, check, f"expected every response from {stack.label}; the server says "
                                              f"{label}, responses by stack {dict(headers)}", scenario=scenario)
-    silent = [t.name for t in registry.resolve(list(stack.toggles)) if t.name in stack.toggles
-              and t.events and not any(fired.get(e) for e in t.events)]
+    # a toggle's own events: those its requires do not also declare (cuda_graphs is proven by
+    # graph_replay, not by the fast_decode_rows of the batched_decode it needs)
+    silent = []
+    for t in registry.resolve(list(stack.toggles)):
+        inherited = {e for r in registry.resolve(list(t.requires)) for e in r.events}
+        own = [e for e in t.events if e not in inherited]
+        if t.name in stack.toggles and own and not any(fired.get(e) for e in own):
+            silent.append(f"{t.name} ({', '.join(own)})")
     if silent:
         return Result.not_exercised(subject, check, f"{sum(headers.values())} responses from {label}, but no "
                                                     f"event of {', '.join(silent)} fired during the run",
