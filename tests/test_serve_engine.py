@@ -30,7 +30,7 @@ from optimized_stack.errors import K3Error  # noqa: E402
 from optimized_stack.tokenizer import ByteTokenizer  # noqa: E402
 
 # arrivals within this window start together, so their decodes share steps from the first token
-WINDOW_S = 0.3
+WINDOW_S = 0.5
 # four greedy requests of different lengths (a batch of 3 pads to 4 once the shortest ends) and one
 # seeded sampled request: the engine must reproduce the reference's generator draws too
 REQUESTS = [
@@ -243,3 +243,32 @@ def test_served_stack_row_fails_on_another_stack_and_is_not_exercised_without_ev
 def test_kvv_stack_options_are_checked(options, match):
     with pytest.raises(UsageError, match=match):
         _check.plan(CheckSpec("kvv", options=options))
+
+
+def test_engine_abort_frees_running_waiting_and_future_requests():
+    from optimized_stack.engine import Engine, EngineOptions, SamplingParams
+
+    model = load_model("k3-mini")
+    opts = EngineOptions(continuous_batching=True, projected_kv_cache=True, batched_decode=True, max_num_seqs=1,
+                         device_cache_tokens=256)
+    eng = Engine(model, opts)
+    params = SamplingParams(max_new_tokens=8)
+    running = eng.add_request([257, 65, 66, 67], params)
+    waiting = eng.add_request([257, 70, 71], params)            # one slot: it waits behind `running`
+    future = eng.add_request([257, 80], params, arrival_step=50)
+    eng.step()
+    assert eng.scheduler.running and eng.scheduler.waiting, "the scene: one running, one waiting, one not arrived"
+    for rid in (running, waiting, future):
+        eng.abort_request(rid)
+        assert eng.forget(rid) is None or rid == running
+    assert not eng.has_unfinished() and not eng._requests
+    eng.abort_request("no-such-request")                        # unknown ids: nothing to do
+    # the freed slot and blocks serve the next request as a fresh engine would
+    again = eng.add_request([257, 65, 66, 67], params)
+    fresh = Engine(model, opts)
+    fresh.add_request([257, 65, 66, 67], params, request_id=again)
+    assert eng.run()[again].tokens == fresh.run()[again].tokens
+    with pytest.raises(K3Error, match="still running"):
+        late = eng.add_request([257, 65], params)
+        eng.step()
+        eng.forget(late)
