@@ -1,4 +1,9 @@
-"""`k3verify serve`: the OpenAI-compatible server (k3verify.serving.app) over the embedded engine.
+"""`k3verify serve`: the OpenAI-compatible server (k3verify.serving.app) over the embedded model.
+
+`--stack reference` (the default) serves the plain token-by-token loop; `--stack counted` serves
+the engine with the fast decode path counted on --device (serving/stack.py), and `--toggle NAME`
+(repeatable) the engine with those toggles: concurrent requests share its steps. Every response
+names the stack (X-K3verify-Stack, system_fingerprint) and the path events its steps fired.
 
 /v1/models, /v1/completions, /v1/chat/completions (streamed and not), /tokenize, /health;
 requests that break K3's API contract get HTTP 400 with a reason. One worker owns the model

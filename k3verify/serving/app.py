@@ -20,6 +20,12 @@ message fields, seeds in [0, 2**63), JSON Schemas against the draft 2020-12 meta
 request is a 400 naming its field, never a 500 (tests/test_serve_fuzz.py); Retry-After on 429 is
 the queue's expected wait from measured job times (serving/worker.py).
 
+Which stack served (issue 26): the backend's `stack` (serving/stack.py) names it on every response
+(header X-K3verify-Stack, `system_fingerprint` "k3verify-<label>"); answers, and a stream's finishing
+chunk, carry `k3verify.path_events`, the engine path events of the steps the request took part in;
+GET /stack gives the stack and every event fired since start. The engine backend batches: the
+worker then runs as many generations at once as the engine schedules (max_concurrent).
+
 Structured output is real, not simulated: response_format json_object/json_schema
 and tool_choice required/named run a token constraint (backends/base.py), so the
 model's own logits choose among grammar-legal tokens. Schema coverage: type,
