@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import Counter
 
 import pytest
@@ -22,7 +23,7 @@ from k3verify.kinds import kvv as kvv_kind  # noqa: E402
 from k3verify.errors import UsageError  # noqa: E402
 from k3verify.kinds.base import CheckSpec, Context  # noqa: E402
 from k3verify.serving.backends.base import CompletionParams  # noqa: E402
-from k3verify.serving.backends.engine_backend import EngineBackend, wait_idle  # noqa: E402
+from k3verify.serving.backends.engine_backend import EngineBackend  # noqa: E402
 from k3verify.serving.lifecycle import ServerThread, build_embedded_app  # noqa: E402
 from k3verify.serving.stack import counted_toggles, serve_stack  # noqa: E402
 from optimized_stack import load_model  # noqa: E402
@@ -58,6 +59,17 @@ def _ask_together(base_url: str, bodies: list[dict]) -> list[dict]:
     for t in threads:
         t.join()
     return answers  # type: ignore[return-value]
+
+
+def wait_idle(backend: EngineBackend, timeout_s: float = 10.0) -> bool:
+    """True once the engine holds no unfinished request (every stream ended and was freed)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with backend._cond:
+            if not backend._inbox and not backend._aborts and not backend.engine.has_unfinished():
+                return True
+        time.sleep(0.01)
+    return False
 
 
 def _served(stack) -> ServerThread:

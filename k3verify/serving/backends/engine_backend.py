@@ -252,13 +252,3 @@ class EngineBackend:
         if entry is not None:
             entry[0]._items.put(("end", None))
 
-
-def wait_idle(backend: EngineBackend, timeout_s: float = 10.0) -> bool:
-    """True once the engine has no unfinished request (tests: every stream ended and was freed)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with backend._cond:
-            if not backend._inbox and not backend._aborts and not backend.engine.has_unfinished():
-                return True
-        time.sleep(0.01)
-    return False
