@@ -205,7 +205,8 @@ def run(args) -> int:
         if not named_dir and plan.get("run_id") != args.resume:
             raise UsageError(f"--resume {args.resume}: {run_dir} holds run {plan.get('run_id')!r}, not {args.resume!r}; "
                              f"resume that run by its id or choose its directory")
-        if args.suite and args.suite not in (plan["suite"]["name"], plan["suite"]["path"]):
+        ran_as = (plan["suite"]["name"], plan["suite"]["path"], plan["suite"]["name"].split(".")[0])  # release.cuda
+        if args.suite and args.suite not in ran_as:
             raise UsageError(f"--resume {plan['run_id']} ran suite {plan['suite']['name']!r}, got --suite {args.suite!r}")
         if args.model and args.model != plan["model"]:
             raise UsageError(f"--resume {plan['run_id']} ran model {plan['model']!r}, got --model {args.model!r}")
@@ -219,7 +220,7 @@ def run(args) -> int:
         run_all.check_model(plan, model)
         run_all.check_finished(plan, run_dir)       # checks files of another model, suite or plan: exit 2 now
     else:
-        suite = load_suite(args.suite or "premerge")
+        suite = load_suite(args.suite or "premerge", args.device)
         model = load_model(args.model, **device_load_options(args), **model_load_options(args))
         run_id = new_run_id("all")
         run_dir = args.report_dir or REPORTS_DIR / run_id     # a --report-dir holding a run: refused by the CLI

@@ -2,6 +2,7 @@
 
     k3verify kvv --base-url http://127.0.0.1:8000/v1 [--model-name NAME]
     k3verify kvv --self                  # against `k3verify serve` started in-process
+    k3verify kvv --self --stack counted  # ... serving the engine's fast path (its rows name the stack)
     k3verify kvv import results.json     # OCRBench / MMMU-Pro Vision / BEAM 1M / DeepSWE vs vendor ranges
 
 Each check becomes one report result, pass / fail / skip with its reason; a skip
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rich.markup import escape
 from rich.table import Table
 
 from k3verify.commands import add_device_flag, add_json_flag, add_model_flag, device_load_options, console, emit_json, model_load_options
@@ -29,6 +31,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--base-url", default=None, metavar="URL", help="OpenAI-compatible endpoint ending in /v1")
     parser.add_argument("--self", dest="self_serve", action="store_true",
                         help="start `k3verify serve` in-process on a free loopback port and check it")
+    parser.add_argument("--stack", choices=("reference", "counted"), default=None,
+                        help="with --self: serve the reference path (default) or the engine's counted fast path")
+    parser.add_argument("--toggle", action="append", default=None, metavar="NAME",
+                        help="with --self: serve through the engine with these toggles applied (repeatable)")
     parser.add_argument("--model-name", default=None, metavar="NAME",
                         help="model name to request (default: the first id from /models)")
     parser.add_argument("--only", action="append", metavar="PREFIX",
@@ -48,7 +54,8 @@ def results_table(results, title: str) -> Table:
         table.add_column(col, overflow="fold")
     colour = {"pass": "green", "fail": "red", "skip": "yellow"}
     for r in results:
-        table.add_row(r["check"], f"[{colour.get(r['status'], 'magenta')}]{r['status']}[/]", r["reason"])
+        # escaped: a stack label such as engine[batched_decode] would otherwise read as rich markup
+        table.add_row(escape(r["check"]), f"[{colour.get(r['status'], 'magenta')}]{r['status']}[/]", escape(r["reason"]))
     return table
 
 
@@ -65,10 +72,15 @@ def spec_of(args):
         raise UsageError(f"unexpected argument {str(args.file)!r}; did you mean `kvv import {args.file}`?")
     elif (args.base_url is None) == (not args.self_serve):
         raise UsageError("kvv needs exactly one of --base-url URL or --self (or `kvv import FILE`)")
+    if (args.stack is not None or args.toggle) and not args.self_serve:
+        raise UsageError("--stack / --toggle pick what `kvv --self` serves; they need --self")
+    if args.stack is not None or args.toggle:
+        from k3verify.commands.serve import stack_of
+        stack_of(args)                  # a stack that cannot be served on --device: one line, exit 2
     return CheckSpec(NAME, options={
         "base_url": args.base_url, "model_name": args.model_name, "only": args.only, "max_tokens": args.max_tokens,
         "structured_max_tokens": args.structured_max_tokens,
-        "import_file": None if args.file is None else str(args.file)})
+        "import_file": None if args.file is None else str(args.file), "stack": args.stack, "toggles": args.toggle})
 
 
 def run(args) -> int:

@@ -1,4 +1,9 @@
-"""`k3verify serve`: the OpenAI-compatible server (k3verify.serving.app) over the embedded engine.
+"""`k3verify serve`: the OpenAI-compatible server (k3verify.serving.app) over the embedded model.
+
+`--stack reference` (the default) serves the plain token-by-token loop; `--stack counted` serves
+the engine with the fast decode path counted on --device (serving/stack.py), and `--toggle NAME`
+(repeatable) the engine with those toggles: concurrent requests share its steps. Every response
+names the stack (X-K3verify-Stack, system_fingerprint) and the path events its steps fired.
 
 /v1/models, /v1/completions, /v1/chat/completions (streamed and not), /tokenize, /health;
 requests that break K3's API contract get HTTP 400 with a reason. One worker owns the model
@@ -13,7 +18,8 @@ from k3verify.commands import add_device_flag, add_model_flag, device_load_optio
 from k3verify.errors import UsageError
 
 NAME = "serve"
-HELP = "serve the embedded model over an OpenAI-compatible HTTP API (K3's request contract enforced)"
+HELP = ("serve the embedded model over an OpenAI-compatible HTTP API (K3's request contract enforced), "
+        "on the reference path or the engine (--stack counted, --toggle NAME)")
 # ServeLimits field -> (flag, argparse dest)
 FLAGS = {"max_queue": ("--max-queue", "max_queue"), "max_body_bytes": ("--max-body-bytes", "max_body_bytes"),
          "max_prompt_tokens": ("--max-prompt-tokens", "max_prompt_tokens"),
@@ -29,6 +35,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
     add_model_flag(parser)
     add_device_flag(parser)
+    from k3verify.serving.stack import STACKS
+    parser.add_argument("--stack", choices=STACKS, default=None,
+                        help="what serves: reference (the plain token-by-token loop, the default) or counted "
+                             "(the engine with the fast decode path that counts as a speedup on --device: "
+                             "batched_decode, plus cuda_graphs on cuda), concurrent requests batched")
+    parser.add_argument("--toggle", action="append", default=[], metavar="NAME",
+                        help="serve through the engine with these toggles applied (repeatable; their requires "
+                             "are added); instead of --stack")
     limits = parser.add_argument_group("limits (past each: the HTTP status in brackets)")
     limits.add_argument("--max-queue", type=int, default=d.max_queue, metavar="N",
                         help=f"requests waiting behind the one generating [429 + Retry-After] (default {d.max_queue})")
@@ -61,5 +75,18 @@ def run(args) -> int:
         for field, (flag, _) in FLAGS.items():
             message = re.sub(rf"\b{field}\b", flag, message)
         raise UsageError(message) from None
-    return serve_main(args.model, host=args.host, port=args.port, limits=limits, **device_load_options(args),
-                      **model_load_options(args))
+    stack = stack_of(args)
+    return serve_main(args.model, host=args.host, port=args.port, limits=limits, stack=stack,
+                      **device_load_options(args), **model_load_options(args))
+
+
+def stack_of(args):
+    """--stack / --toggle on --device -> a ServeStack, checked before the model loads (UsageError)."""
+    from k3verify.serving.stack import serve_stack
+    from optimized_stack.errors import K3Error
+
+    device = args.device
+    try:
+        return serve_stack(args.stack, args.toggle, device)
+    except K3Error as e:
+        raise UsageError(f"--stack/--toggle: {e}") from None

@@ -20,6 +20,12 @@ message fields, seeds in [0, 2**63), JSON Schemas against the draft 2020-12 meta
 request is a 400 naming its field, never a 500 (tests/test_serve_fuzz.py); Retry-After on 429 is
 the queue's expected wait from measured job times (serving/worker.py).
 
+Which stack served (issue 26): the backend's `stack` (serving/stack.py) names it on every response
+(header X-K3verify-Stack, `system_fingerprint` "k3verify-<label>"); answers, and a stream's finishing
+chunk, carry `k3verify.path_events`, the engine path events of the steps the request took part in;
+GET /stack gives the stack and every event fired since start. The engine backend batches: the
+worker then runs as many generations at once as the engine schedules (max_concurrent).
+
 Structured output is real, not simulated: response_format json_object/json_schema
 and tool_choice required/named run a token constraint (backends/base.py), so the
 model's own logits choose among grammar-legal tokens. Schema coverage: type,
@@ -48,6 +54,24 @@ from k3verify.serving.validation import (CHAT_PARAMS, COMPLETION_PARAMS, Request
 from k3verify.serving.worker import GenerationWorker, JobCancelled
 from optimized_stack.errors import K3Error
 
+class StackHeader:
+    """ASGI middleware: X-K3verify-Stack on every response. Plain ASGI, not BaseHTTPMiddleware, which
+    would wrap streamed bodies and hide a client's disconnect from the cancellation in serving/http.py."""
+
+    def __init__(self, app, label: str):
+        self.app, self.header = app, (b"x-k3verify-stack", label.encode("ascii"))
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_header(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+        await self.app(scope, receive, send_with_header)
+
+
 # ---------------------------------------------------------------------------
 # The app
 # ---------------------------------------------------------------------------
@@ -57,8 +81,21 @@ def create_app(backend: TextBackend, tokenizer, model_name: str = "k3-mini", enf
     """FastAPI app over `backend`, which from now on only app.state.worker calls.
     enforce_contract=False is the KVV negative control only."""
     app = FastAPI(title="k3verify serve")
-    worker = app.state.worker = GenerationWorker(limits.max_queue, limits.stall_s)
+    # a batching backend (the engine's) runs several generations at once, one worker thread each
+    worker = app.state.worker = GenerationWorker(limits.max_queue, limits.stall_s,
+                                                 workers=getattr(backend, "max_concurrent", 1))
     app.state.model_name = model_name
+    app.state.backend = backend
+    # which stack serves (serving/stack.py), on every response: the KVV run proves with it which
+    # stack it judged (X-K3verify-Stack, system_fingerprint; per request the path events that fired)
+    stack = getattr(backend, "stack", None)
+    stack_label = stack.label if stack is not None else type(backend).__name__
+    fingerprint = f"k3verify-{stack_label}"
+
+    def evidence(gen: Generation) -> dict:
+        return {"k3verify": {"stack": stack_label, "path_events": dict(sorted(gen.path_events.items()))}}
+
+    app.add_middleware(StackHeader, label=stack_label)
     unit_ids = {chr(b): tokenizer.encode(chr(b))[0] for b in range(32, 127)}
     unit_ids.update({s: tokenizer.token_id(s) for s in tokenizer.specials})
     vocab_size = tokenizer.vocab_size
@@ -97,6 +134,14 @@ def create_app(backend: TextBackend, tokenizer, model_name: str = "k3-mini", enf
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "k3verify"}]}
+
+    @app.get("/stack")
+    @app.get("/v1/stack")
+    async def stack_info():
+        """What serves, and every path event its steps fired since the server started."""
+        info = stack.to_dict() if stack is not None else {"stack": None, "label": stack_label, "toggles": []}
+        fired = backend.path_events() if callable(getattr(backend, "path_events", None)) else {}
+        return {**info, "fingerprint": fingerprint, "path_events": dict(sorted(fired.items()))}
 
     @app.get("/health")
     async def health():
@@ -163,7 +208,7 @@ def create_app(backend: TextBackend, tokenizer, model_name: str = "k3-mini", enf
         gen = Generation(backend, tokenizer, prompt_ids, params, constraint, stops, chat=True)
         job = submit(worker, gen)
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        head = {"id": rid, "created": now, "model": model_name}
+        head = {"id": rid, "created": now, "model": model_name, "system_fingerprint": fingerprint}
 
         if not stream:
             pieces = await collect(worker, job, request)
@@ -173,12 +218,12 @@ def create_app(backend: TextBackend, tokenizer, model_name: str = "k3-mini", enf
                 message["tool_calls"] = gen.tool_calls
             choice_ = {"index": 0, "message": message, "finish_reason": gen.finish_reason,
                        "logprobs": {"content": chat_logprobs(tokenizer, events)} if want_logprobs else None}
-            return {**head, "object": "chat.completion", "choices": [choice_], "usage": gen.usage()}
+            return {**head, "object": "chat.completion", "choices": [choice_], "usage": gen.usage(), **evidence(gen)}
 
         def chunk(delta, finish=None, logprobs=None):
             c = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
             return sse({**head, "object": "chat.completion.chunk", "choices": [c],
-                        **({"usage": None} if include_usage else {})})
+                        **({"usage": None} if include_usage else {}), **(evidence(gen) if finish else {})})
 
         async def events_stream():
             yield chunk({"role": "assistant", "content": ""})
@@ -225,7 +270,8 @@ def create_app(backend: TextBackend, tokenizer, model_name: str = "k3-mini", enf
         check_context(len(prompt_ids), params.max_tokens, limits, "prompt")
         gen = Generation(backend, tokenizer, prompt_ids, params, None, stops)
         job = submit(worker, gen)
-        head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_name}
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_name,
+                "system_fingerprint": fingerprint}
 
         if not stream:
             pieces = await collect(worker, job, request)
@@ -233,7 +279,7 @@ def create_app(backend: TextBackend, tokenizer, model_name: str = "k3-mini", enf
             events = [e for _, evs in pieces for e in evs]
             choice_ = {"index": 0, "text": text, "finish_reason": gen.finish_reason,
                        "logprobs": completion_logprobs(tokenizer, events, 0) if logprobs is not None else None}
-            return {**head, "object": "text_completion", "choices": [choice_], "usage": gen.usage()}
+            return {**head, "object": "text_completion", "choices": [choice_], "usage": gen.usage(), **evidence(gen)}
 
         async def events_stream():
             offset = 0
@@ -247,7 +293,8 @@ def create_app(backend: TextBackend, tokenizer, model_name: str = "k3-mini", enf
                 yield sse(error_body(f"generation ended early: {e}", 503, code="cancelled"))
                 return
             yield sse({**head, "object": "text_completion",
-                       "choices": [{"index": 0, "text": "", "finish_reason": gen.finish_reason, "logprobs": None}]})
+                       "choices": [{"index": 0, "text": "", "finish_reason": gen.finish_reason, "logprobs": None}],
+                       **evidence(gen)})
             if include_usage:
                 yield sse({**head, "object": "text_completion", "choices": [], "usage": gen.usage()})
             yield "data: [DONE]\n\n"

@@ -26,6 +26,8 @@ class Generation:
         self.finish_reason = "stop"
         self.tool_calls: list[dict] = []
         self.stopped_early = False  # should_stop() ended it: the answer is incomplete
+        # the path events of the engine steps it took part in (engine backend only; {} otherwise)
+        self.path_events: dict[str, int] = {}
 
     @property
     def completion_tokens(self) -> int:
@@ -61,6 +63,7 @@ class Generation:
                     pending, events = pending[len(pending) - hold:], []
         finally:
             stream.close()  # ends the backend's generator now, also on early stop, cancel or error
+            self.path_events = dict(getattr(stream, "path_events", {}))
         if not cut_here:
             pending += decoder.flush()  # a dangling partial UTF-8 sequence shows as U+FFFD
         if pending or events:

@@ -56,6 +56,9 @@ class ServerThread:
         worker = getattr(getattr(self.app, "state", None), "worker", None)
         if worker is not None:  # apps built elsewhere (the tests' fake servers) have none
             worker.stop("the server is shutting down")
+        close = getattr(getattr(getattr(self.app, "state", None), "backend", None), "close", None)
+        if callable(close):     # the engine backend's stepper thread, and its toggles' op slots
+            close()
 
     def __exit__(self, *exc) -> None:
         self._stop_worker()
@@ -64,11 +67,14 @@ class ServerThread:
 
 
 def build_embedded_app(model=None, enforce_contract: bool = True, limits: ServeLimits = ServeLimits(),
-                       **load_options):
+                       stack=None, batch_window_s: float = 0.0, **load_options):
     """Load a model (preset name, path, or None for the embedded default) and wrap it in the app;
-    load_options go to load_model (allow_nonfinite, allow_dtype_cast)."""
+    load_options go to load_model (allow_nonfinite, allow_dtype_cast, device, dtype). `stack`
+    (serving/stack.py ServeStack; None = the reference) picks the backend: an engine stack is served
+    by the engine backend, batching concurrent requests (batch_window_s: its arrival window)."""
     from k3verify.serving.app import create_app
     from k3verify.serving.backends.embedded import EmbeddedBackend
+    from k3verify.serving.backends.engine_backend import EngineBackend
     from optimized_stack import load_model
     from optimized_stack.tokenizer import load_tokenizer
 
@@ -77,15 +83,19 @@ def build_embedded_app(model=None, enforce_contract: bool = True, limits: ServeL
     if tokenizer.vocab_size != loaded.config.vocab_size:
         raise K3Error(f"tokenizer vocab {tokenizer.vocab_size} does not match the model's {loaded.config.vocab_size}")
     name = str(model) if model is not None else "k3-mini"
-    return create_app(EmbeddedBackend(loaded, tokenizer), tokenizer, name, enforce_contract, limits)
+    if stack is not None and stack.device != loaded.device.type:
+        raise K3Error(f"the stack was chosen for {stack.device}, the model is on {loaded.device.type}")
+    backend = (EngineBackend(loaded, tokenizer, stack, batch_window_s) if stack is not None and stack.engine
+               else EmbeddedBackend(loaded, tokenizer))
+    return create_app(backend, tokenizer, name, enforce_contract, limits)
 
 
 def serve_main(model=None, host: str = "127.0.0.1", port: int = 8000, limits: ServeLimits = ServeLimits(),
-               **load_options) -> int:
+               stack=None, **load_options) -> int:
     """`k3verify serve`: serve the embedded engine until SIGTERM (exit 0) or SIGINT (exit 130)."""
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise K3Error(f"port must be an integer in [0, 65535], got {port!r}")
-    app = build_embedded_app(model, limits=limits, **load_options)
+    app = build_embedded_app(model, limits=limits, stack=stack, **load_options)
     asked, forced, got = threading.Event(), threading.Event(), []
 
     def on_signal(signum, frame):
@@ -96,7 +106,8 @@ def serve_main(model=None, host: str = "127.0.0.1", port: int = 8000, limits: Se
     try:
         with ServerThread(app, host, port, log_level="info", access_log=True) as server:
             health = f"http://{host}:{server.port}/health"
-            print(f"k3verify serve: {app.state.model_name} on {server.base_url} (readiness: {health})",
+            print(f"k3verify serve: {app.state.model_name} on {server.base_url} as {app.state.backend.stack.label} "
+                  f"(readiness: {health})",
                   file=sys.stderr, flush=True)
             while not asked.wait(0.25):
                 if not server.alive:

@@ -6,7 +6,8 @@ held the backend's lock across each streamed token. A client that went away mid-
 the lock held for good; 41 concurrent streams put 40 pool threads (anyio's default limit)
 to sleep on the lock while its holder needed a 41st thread for its next token. Now:
 
-- exactly one thread (this worker) calls the backend; nothing else ever waits on it;
+- only this worker's threads call the backend (one thread for the reference backend, which serves
+  one generation at a time; as many as a batching backend runs together); nothing else waits on it;
 - a request is a Job in a FIFO of at most `max_queue` waiting jobs behind the running one;
   past that, submit() raises QueueFull at once (HTTP 429 with Retry-After), never blocks;
 - the event loop only awaits a job's own asyncio queue, so a waiting request holds no
@@ -35,7 +36,7 @@ IDLE_TICK_S = 0.5  # an idle worker wakes this often, so its progress stamp stay
 # 100 clients that honoured it gave up. The prior stands until the first job is measured.
 JOB_S_PRIOR = 1.0        # seconds per job before any is measured: ~256 tokens of k3-mini on 2 cores
 JOB_S_WEIGHT = 0.2       # weight of the newest measurement in the moving average
-WORKERS = 1              # generation threads serving the queue (one: the backend serves one generation)
+WORKERS = 1              # generation threads by default: the reference backend serves one generation at a time
 MAX_RETRY_AFTER_S = 3600  # a bound on the header, not on the estimate's honesty: past an hour, ask again
 
 
@@ -94,16 +95,25 @@ class GenerationWorker:
     """Owns `backend` calls on one daemon thread; see the module docstring."""
 
     def __init__(self, max_queue: int, stall_s: float, name: str = "k3verify-generate",
-                 job_s_prior: float = JOB_S_PRIOR):
-        self.max_queue, self.stall_s = max_queue, stall_s
+                 job_s_prior: float = JOB_S_PRIOR, workers: int = WORKERS):
+        """workers: generations run at once, one thread each (a batching backend, such as the engine
+        backend, serves that many together; the reference backend serves one)."""
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
+        self.max_queue, self.stall_s, self.workers = max_queue, stall_s, workers
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
-        self._running: Job | None = None
+        self._running: list[Job] = []
         self._accepting, self._stopped = True, False
         self._progress = time.monotonic()
         self._job_s, self._jobs_measured = job_s_prior, 0  # moving average of a job's wall time, s
-        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._serve, name=f"{name}-{i}" if i else name, daemon=True)
+                         for i in range(workers)]
+        for t in self._threads:
+            t.start()
+
+    def _alive(self) -> bool:
+        return all(t.is_alive() for t in self._threads)
 
     # ---- called from the event loop ---------------------------------------------------------
 
@@ -114,9 +124,10 @@ class GenerationWorker:
         with self._cond:
             if not self._accepting:
                 raise Draining("the server is shutting down and takes no new requests")
-            if not self._thread.is_alive():  # queued work would never run: refuse it, never hang it
+            if not self._alive():  # queued work would never run: refuse it, never hang it
                 raise Draining("the generation worker thread has stopped; restart the server")
-            if not front and len(self._waiting) >= self.max_queue and (self._running or self._waiting):
+            busy = len(self._running) >= self.workers or self._waiting
+            if not front and len(self._waiting) >= self.max_queue and busy:
                 wait_s = self._retry_after_s()
                 raise QueueFull(f"the generation queue is full ({len(self._waiting)} waiting behind the running "
                                 f"request, --max-queue {self.max_queue}); retry after {wait_s} s "
@@ -129,8 +140,8 @@ class GenerationWorker:
     def _retry_after_s(self) -> int:
         """Seconds until the jobs ahead of a newcomer (the running one and the queue) should be done:
         ceil(depth * seconds per job / workers), at least 1. Called with _cond held."""
-        depth = len(self._waiting) + (self._running is not None)
-        return min(MAX_RETRY_AFTER_S, max(1, math.ceil(depth * self._job_s / WORKERS)))
+        depth = len(self._waiting) + len(self._running)
+        return min(MAX_RETRY_AFTER_S, max(1, math.ceil(depth * self._job_s / self.workers)))
 
     def _measure(self, job: Job, seconds: float) -> None:
         """Fold one finished job's wall time into the estimate (called with _cond held). Probes and
@@ -155,8 +166,8 @@ class GenerationWorker:
 
     def state(self) -> dict:
         with self._cond:
-            return {"alive": self._thread.is_alive(), "accepting": self._accepting,
-                    "running": self._running is not None, "waiting": len(self._waiting),
+            return {"alive": self._alive(), "accepting": self._accepting,
+                    "running": bool(self._running), "running_jobs": len(self._running), "waiting": len(self._waiting),
                     "since_progress_s": round(time.monotonic() - self._progress, 3)}
 
     async def ready(self, probe: Generation, timeout_s: float) -> tuple[bool, dict]:
@@ -207,14 +218,16 @@ class GenerationWorker:
         call cannot be interrupted; the thread is a daemon, so it does not keep the process alive)."""
         with self._cond:
             self._accepting, self._stopped = False, True
-            jobs = list(self._waiting) + ([self._running] if self._running else [])
+            jobs = list(self._waiting) + list(self._running)
         for job in jobs:
             self.cancel(job, reason)
         with self._cond:
             self._cond.notify_all()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(join_s)
-        return not self._thread.is_alive()
+        deadline = time.monotonic() + join_s
+        for t in self._threads:
+            if threading.current_thread() is not t:
+                t.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self._threads)
 
     # ---- the worker thread --------------------------------------------------------------------
 
@@ -226,13 +239,14 @@ class GenerationWorker:
                     self._cond.wait(IDLE_TICK_S)
                 if self._stopped:
                     return
-                job = self._running = self._waiting.popleft()
+                job = self._waiting.popleft()
+                self._running.append(job)
                 self._progress = started = time.monotonic()
             try:
                 self._run(job)
             finally:
                 with self._cond:
-                    self._running = None
+                    self._running.remove(job)
                     self._progress = time.monotonic()
                     self._measure(job, self._progress - started)
                     self._cond.notify_all()

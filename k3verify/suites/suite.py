@@ -68,11 +68,16 @@ def builtin_suites() -> list[str]:
     return sorted(p.stem for p in CHECKS_DIR.glob("*.toml"))
 
 
-def suite_path(name_or_path: str) -> Path:
-    """'premerge' -> checks/premerge.toml; anything that names an existing file -> that file."""
+def suite_path(name_or_path: str, device: str = "cpu") -> Path:
+    """'premerge' -> checks/premerge.toml; anything that names an existing file -> that file. A
+    built-in name on another device takes that device's form when one ships (`release` with
+    --device cuda -> checks/release.cuda.toml: the same gate sized and modelled for the GPU)."""
     p = Path(name_or_path)
     if p.is_file():
         return p
+    on_device = CHECKS_DIR / f"{name_or_path}.{device}.toml"
+    if device != "cpu" and on_device.is_file():
+        return on_device
     builtin = CHECKS_DIR / f"{name_or_path}.toml"
     if builtin.is_file():
         return builtin
@@ -120,8 +125,8 @@ def parse_suite(text: str, name: str = "<suite>", path: str = "<string>") -> Sui
                  sha256=hashlib.sha256(text.encode()).hexdigest(), text=text)
 
 
-def load_suite(name_or_path: str) -> Suite:
-    p = suite_path(name_or_path)
+def load_suite(name_or_path: str, device: str = "cpu") -> Suite:
+    p = suite_path(name_or_path, device)
     raw = p.read_bytes()
     try:
         text = raw.decode("utf-8")

@@ -89,7 +89,9 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_step: int = 0) -> str:
+                    request_id: str | None = None, arrival_step: int = 0, sampler: Sampler | None = None) -> str:
+        """sampler: the request's own token chooser (a server's, with its grammar and logprobs)
+        in place of Sampler(params); one that sets takes_device_token False sees every row."""
         params = params if params is not None else SamplingParams()
         ids = [int(t) for t in prompt_ids]
         vocab = self.model.config.vocab_size
@@ -108,31 +110,39 @@ class Engine:
         if isinstance(self.store, PagedStore) and not self.store.fits(need):
             raise K3Error(f"add_request: the request needs {need} tokens of MLA cache, the device "
                           f"pool holds {self.store.capacity_tokens()}")
-        req = Request(rid, ids, params, arrival_step, order, Sampler(params), tokens=list(ids))
+        req = Request(rid, ids, params, arrival_step, order, sampler if sampler is not None else Sampler(params),
+                      tokens=list(ids))
         self._requests[rid] = req
         self._future.append(req)
         return rid
 
-    def stop_request(self, request_id: str) -> None:
-        """Finish a request now, between steps (finish_reason "stop"), as a server does when a stop
-        string shows up in the decoded text. Other requests' rows never depend on it (row-stable
-        ops), so stopping one changes nothing for the rest. A finished request is left as it is."""
+    def abort_request(self, request_id: str) -> None:
+        """End a request between steps (its client went away, its grammar is complete): it frees
+        its slot and blocks and is finished with reason "abort". Unknown or finished ids: no-op."""
         req = self._requests.get(request_id)
-        if req is None:
-            raise K3Error(f"stop_request: no request {request_id!r}")
-        if req.request_id in self.results:
+        if req is None or req.status == "finished":
             return
-        if req in self._future or req in self.scheduler.waiting:
-            if req.admitted_once:
-                # preempted: the store may hold its state, and only a running request is released
-                raise K3Error(f"stop_request: {request_id!r} is preempted; stop it once it runs again")
-            # never admitted: nothing was computed and nothing is held for it
-            (self._future if req in self._future else self.scheduler.waiting).remove(req)
-            req.finish_reason, req.status = "stop", "finished"
-            self.results[req.request_id] = RequestResult(list(req.prompt), list(req.generated), "stop")
-            return
-        req.finish_reason = "stop"
-        self._finish(req)
+        if req in self._future:
+            self._future.remove(req)
+            req.status = "finished"
+        elif req in self.scheduler.waiting:
+            self.scheduler.waiting.remove(req)
+            req.status = "finished"
+            if req.swapped:                       # its state waits on the host: drop it
+                self.store.swap.pop(req.request_id, None)
+        else:                                     # running: its state is whole between steps
+            req.finish_reason = "abort"
+            self._finish(req)
+        req.draft = []
+
+    def forget(self, request_id: str) -> RequestResult | None:
+        """Drop a finished request's bookkeeping (a long-lived server would keep every one) and
+        hand back its result."""
+        req = self._requests.get(request_id)
+        if req is not None and req.status != "finished":
+            raise K3Error(f"forget: request {request_id!r} is still {req.status}")
+        self._requests.pop(request_id, None)
+        return self.results.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
         return bool(self._future or self.scheduler.waiting or self.scheduler.running)

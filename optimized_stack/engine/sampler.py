@@ -49,6 +49,10 @@ def target_probs(rows: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 class Sampler:
+    # the batched decode step's on-device greedy token may stand in for sample() (same rule:
+    # first maximum); a sampler that must see every row (a grammar, logprobs) sets this False
+    takes_device_token = True
+
     def __init__(self, params: SamplingParams):
         self.params = params
         self.generator: torch.Generator | None = None

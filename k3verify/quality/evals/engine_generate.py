@@ -9,7 +9,7 @@ Op-slot toggles apply inside it as they do on the sequential path, since the eng
 model's ops.
 
 A request stops on eos, on max_new_tokens, or as soon as its decoded text holds a stop
-string (Engine.stop_request between steps, as a server does), so no question decodes past
+string (Engine.abort_request between steps, as a server does), so no question decodes past
 its answer.
 """
 from __future__ import annotations
@@ -58,7 +58,7 @@ def engine_generate_fn(model, tokenizer, *, batch: int, add_bos: bool = False,
                     toks = generated[out.request_id]
                     toks.extend(out.new_tokens)
                     if not out.finished and stops and any(s in text_of(toks) for s in stops):
-                        engine.stop_request(out.request_id)
+                        engine.abort_request(out.request_id)
         # evidence that the prompts were batched: the engine steps and the most requests one step ran
         generate.stats = {"prompts": len(prompts), "steps": steps, "most_running": most_running}
         return [truncate_at_stop(text_of(generated[rid]), stop) for rid in rids]

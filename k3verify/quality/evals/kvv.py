@@ -289,10 +289,11 @@ def _tokens_vs_tokenize(name: str, c: Client, root: str, fields: dict, small: in
 
 def run_kvv(base_url: str, model_name: str, api_key: str | None = None, *, thinking: bool = False,
             think_mode: str = "none", max_tokens: int = 16, structured_max_tokens: int = 2048,
-            only: list[str] | None = None, timeout_s: float = 300.0) -> dict:
+            only: list[str] | None = None, timeout_s: float = 300.0, on_response=None) -> dict:
     """Run the KVV contract checks against an OpenAI-compatible endpoint (base_url ends in /v1).
 
     only: name prefixes to run (e.g. ["params.reject", "stream"]); None runs everything.
+    on_response: called with every httpx.Response (its headers: which stack served it).
     Returns {"endpoint", "model", "checks": [{name, status, reason}], "summary", "passed"}.
     """
     if think_mode not in ("none", "kimi", "opensource"):
@@ -302,7 +303,7 @@ def run_kvv(base_url: str, model_name: str, api_key: str | None = None, *, think
     extra = {} if think_mode == "none" else (
         {"chat_template_kwargs": {"thinking": thinking}} if think_mode == "opensource"
         else {"thinking": {"type": "enabled" if thinking else "disabled"}})
-    c = Client(base_url, model_name, api_key, timeout_s, extra)
+    c = Client(base_url, model_name, api_key, timeout_s, extra, on_response)
     try:
         c.http.get("/models")
     except httpx.HTTPError as e:

@@ -29,10 +29,12 @@ class KvvOutcome:
 class Client:
     """Thin JSON/SSE client; every call returns (status, body or chunks), never raises for HTTP errors."""
 
-    def __init__(self, base_url: str, model: str, api_key: str | None, timeout: float, extra: dict):
+    def __init__(self, base_url: str, model: str, api_key: str | None, timeout: float, extra: dict,
+                 on_response=None):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_url = base_url.rstrip("/")
-        self.http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
+        hooks = {"response": [on_response]} if on_response is not None else None
+        self.http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout, event_hooks=hooks)
         self.model, self.extra = model, extra
 
     def chat(self, max_tokens: int, **fields) -> tuple[int, dict]:

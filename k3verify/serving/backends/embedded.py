@@ -85,6 +85,9 @@ class EmbeddedBackend(TextBackend):
         self.model = model
         self.tokenizer = tokenizer
         self.decode_fn = decode_fn
+        from k3verify.serving.stack import ServeStack
+        device = getattr(model, "device", None)
+        self.stack = ServeStack("reference", (), getattr(device, "type", str(device or "cpu")))
         self.vocab_size = int(model.config.vocab_size)
         self._guard = threading.Lock()  # held only to flip _open, never across a yield
         self._open = False

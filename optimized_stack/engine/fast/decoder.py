@@ -82,7 +82,7 @@ class FastDecoder:
         rows = logits[:len(reqs)]
         if keep_rows and self.graphs is not None:
             rows = rows.clone()                                     # the next replay overwrites it
-        tokens = [tok if ok and req.params.temperature == 0 else None
+        tokens = [tok if ok and req.params.temperature == 0 and req.sampler.takes_device_token else None
                   for req, tok, ok in zip(reqs, flags[0], flags[1])]
         s = self.stats
         s.steps += 1
