@@ -34,16 +34,21 @@ def engine_generate_fn(model, tokenizer, *, batch: int, add_bos: bool = False,
     if not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch: expected an integer >= 1, got {batch!r}")
     budget = token_budget if token_budget is not None else batch + 2048
-    opts = EngineOptions(continuous_batching=True, max_num_seqs=batch, token_budget=budget)
 
     def text_of(tokens: Sequence[int]) -> str:
         body = tokens[:-1] if tokens and tokens[-1] == tokenizer.eos_id else tokens
         return tokenizer.decode(body, skip_special=True)
 
     def generate(prompts: list[str], max_new_tokens: int, stop: list[str]) -> list[str]:
+        encoded = [tokenizer.encode(p, add_bos=add_bos) for p in prompts]
+        # an MLA pool that holds the `batch` longest requests whole: a smaller one would preempt
+        # and recompute (exact, but the time the batching was for)
+        longest = sorted((len(ids) + max_new_tokens for ids in encoded), reverse=True)[:batch]
+        opts = EngineOptions(continuous_batching=True, max_num_seqs=batch, token_budget=budget,
+                             device_cache_tokens=sum(longest) + 64 * len(longest))
         engine = Engine(model, opts)
         params = SamplingParams(max_new_tokens=max_new_tokens, stop_ids=(tokenizer.eos_id,))
-        rids = [engine.add_request(tokenizer.encode(p, add_bos=add_bos), params) for p in prompts]
+        rids = [engine.add_request(ids, params) for ids in encoded]
         generated: dict[str, list[int]] = {rid: [] for rid in rids}
         stops = [s for s in stop if s]
         steps = most_running = 0
