@@ -87,7 +87,7 @@ def plan(spec: CheckSpec) -> list[Unit]:
 
 def questions(o: dict) -> int:
     """How many questions each side answers: `limit`, else the test split."""
-    from k3verify.quality.evals.gsm8k import SYNTH_TEST_N
+    from k3verify.quality.evals.gsm8k_synth import SYNTH_TEST_N
 
     if o["dataset"] == "synth":
         size = SYNTH_TEST_N

@@ -32,8 +32,7 @@ from optimized_stack.errors import K3Error
 
 DATASETS = ("gsm8k", "synth")
 FILTERS = ("strict-match", "flexible-extract")
-SYNTH_TRAIN_N = 200  # few-shot pool; more would only cost generation time
-SYNTH_TEST_N = 500
+from k3verify.quality.evals.gsm8k_synth import SYNTH_TEST_N, SYNTH_TRAIN_N  # noqa: E402,F401
 
 
 def default_cache_dir() -> Path:

@@ -24,6 +24,11 @@ from pathlib import Path
 from k3verify.io import atomic_write_text
 from optimized_stack.errors import K3Error
 
+# the split sizes the gsm8k task is built with (evals/gsm8k.py); here, where planning reads them
+# without importing lm-eval (a machine without it plans a suite, its gsm8k units then error)
+SYNTH_TRAIN_N = 200  # few-shot pool; more would only cost generation time
+SYNTH_TEST_N = 500
+
 SPLITS = ("train", "test")
 TEST_BUCKETS = 5  # a question is "test" when its text hash is 0 mod 5
 MAX_ATTEMPTS = 200  # redraws per example before giving up (space exhausted)
