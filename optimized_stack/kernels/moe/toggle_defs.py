@@ -9,6 +9,7 @@ import torch
 
 from ...model import ops
 from ...toggles import EXACT, Contract, Toggle, on_bf16_cuda, register
+from .fp8_stage2 import routed_fp8_stage2
 from .grouped import routed_grouped
 from .side_stream import moe_forward_side_stream
 
@@ -29,6 +30,21 @@ register(Toggle(
     description="shared expert on a second CUDA stream, overlapping the router and routed "
                 "experts; joined before the add, same kernels and shapes, so bit-identical",
     ops={"moe_block": moe_forward_side_stream}, phases=("prefill", "decode"), events=("op:moe_block",)))
+
+# FP8 stage-2 outputs. Declared before measuring (from e4m3's 3 mantissa bits: a value rounds
+# within 2^-4 of itself, RMS ~2.5%): the routed output of every MoE layer carries ~2.5%
+# independent noise, ~16x bf16's per-value error on one tensor per layer, so the drift is
+# predicted at 1-3x the bf16 noise floor (BF16_NOISE, toggles.py): mean KL 0.005-0.03, top-1
+# 0.96-0.99, final KDA state 0.03-0.15 of max. No max KL: near-tie rows reach KL 3-4 from bf16
+# rounding alone (toggles.py), and this is a larger rounding. kvv is not named: it checks an
+# endpoint's API contract (k3verify/quality/kvv_gate.py), which no numerics toggle can move.
+FP8_STAGE2 = Contract("approx", mean_kl=0.05, min_top1=0.95, max_state_rel=0.25, quality=("gsm8k", "needle"))
+
+register(Toggle(
+    name="moe_fp8_stage2", contract=FP8_STAGE2, touches=("logits", "kda_state", "mla_rows"),
+    description="routed experts' down-projection outputs stored as float8 e4m3 with one scale per "
+                "row (amax/448) before the combine",
+    ops={"moe_experts": routed_fp8_stage2}, events=("op:moe_experts",)))
 
 
 # ---- mutants ----------------------------------------------------------------------------
@@ -64,3 +80,13 @@ register(Toggle(
     description="the side stream's shared expert reads row 0's input for every row (a broadcast view "
                 "where a copy was meant)", caught_by=("logits",), lives_in="moe/ffn",
     ops={"moe_block": functools.partial(moe_forward_side_stream, _row0=True)}, events=("op:moe_block",)))
+
+# the two FP8 mutants: dequantized with twice the scale it quantized with (amax/224), and one
+# scale for the whole expert output where one per row is declared
+for _fault, _what in (("dequant_scale_x2", "dequantized with amax/224 instead of amax/448"),
+                      ("per_tensor", "one scale per expert output tensor instead of one per row")):
+    register(Toggle(
+        name=f"mut_moe_fp8_{_fault}", kind="mutant", mutant_of="moe_fp8_stage2", contract=FP8_STAGE2,
+        touches=("logits", "kda_state", "mla_rows"), description=f"FP8 stage-2 outputs {_what}",
+        caught_by=("drift_budget",), lives_in="moe/ffn",
+        ops={"moe_experts": functools.partial(routed_fp8_stage2, _fault=_fault)}, events=("op:moe_experts",)))
