@@ -17,7 +17,8 @@ Runs wherever torch casts to float8_e4m3fn (CPU since 2.1, CUDA): the cast is th
 these toggles, so the same code is their CUDA form; no scaled GEMM is used.
 
 Faults (seeded mutants only): "dequant_scale_x2" dequantizes with amax/224 (twice the scale
-it quantized with), "per_tensor" uses one scale for the whole tensor.
+it quantized with), "per_tensor" uses one scale for the whole tensor, "row_shifted_scale"
+dequantizes row i with row i-1's scale (an off-by-one in the scale index; row 0 takes the last).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import torch
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
-FAULTS = ("dequant_scale_x2", "per_tensor")
+FAULTS = ("dequant_scale_x2", "per_tensor", "row_shifted_scale")
 
 
 def row_scales(x: torch.Tensor, row_dims: int, *, per_tensor: bool = False) -> torch.Tensor:
@@ -61,4 +62,6 @@ def fp8_roundtrip(x: torch.Tensor, row_dims: int = 1, fault: str | None = None) 
     q, scale = quantize_rows(x, row_dims, per_tensor=fault == "per_tensor")
     if fault == "dequant_scale_x2":
         scale = scale * 2.0
+    elif fault == "row_shifted_scale":
+        scale = scale.flatten(0, row_dims - 1).roll(1, 0).view(scale.shape)
     return dequantize(q, scale)

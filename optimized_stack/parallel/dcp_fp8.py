@@ -21,13 +21,11 @@ import torch
 from ..kernels.fp8_rows import E4M3, dequantize, quantize_rows
 from .launch import Comm
 
-# TP faults (tp_model.FAULTS) -> the quantizer's seeded fault (kernels/fp8_rows.py)
-FAULT_OF = {"dcp_fp8_dequant_scale_x2": "dequant_scale_x2", "dcp_fp8_per_tensor": "per_tensor"}
-
-
 def gather_context_fp8(shard: torch.Tensor, n_rows: int, comm: Comm, faults=frozenset()) -> torch.Tensor:
     """This rank's rows [S_r, R] (positions rank, rank + W, ...) -> all n_rows rows [S, R]
-    fp32 in position order, every rank's rows through e4m3 + per-row scale."""
+    fp32 in position order, every rank's rows through e4m3 + per-row scale. `faults`: the TP
+    seeded faults "dcp_fp8_dequant_scale_x2" (the mutant) and "dcp_fp8_per_tensor" (one scale
+    per shard: the tests' negative control of per-row scaling)."""
     w = comm.world_size
     sizes = [len(range(r, n_rows, w)) for r in range(w)]
     q, scale = quantize_rows(shard, 1, per_tensor="dcp_fp8_per_tensor" in faults)

@@ -84,11 +84,11 @@ _tp("mut_fused_allreduce_twice", "fused all-reduce + residual reduces the partia
 _tp("mut_dcp_merge_no_rescale", "DCP merge sums the partials without rescaling by exp(m_r - max m)",
     APPROX_TP, {"dcp_mla": True, "faults": ("dcp_merge_no_rescale",)}, kind="mutant",
     mutant_of="dcp_mla", caught_by=("drift_budget",))
+# A per-shard (per-tensor) scale is not registered as a mutant: at W = 2 it measured inside the
+# budget and no worse than per-row (single: mean KL 8.7e-5 vs 8.5e-5; boundaries: max KL 0.463
+# vs 0.847): the latent rows are RMS-normed, one magnitude, so per-row scaling is judged by
+# tests/test_fp8_toggles.py directly, not by the drift budget.
 _tp("mut_dcp_fp8_dequant_scale_x2", "DCP FP8 gather dequantized with amax/224 instead of amax/448",
     FP8_DCP, {"dcp_fp8_allgather": True, "faults": ("dcp_fp8_dequant_scale_x2",)}, kind="mutant",
-    mutant_of="dcp_fp8_allgather", caught_by=("drift_budget",), requires=("dcp_mla",),
-    touches=("logits", "kda_state", "mla_rows"))
-_tp("mut_dcp_fp8_per_tensor", "DCP FP8 gather with one scale per rank's shard instead of one per row",
-    FP8_DCP, {"dcp_fp8_allgather": True, "faults": ("dcp_fp8_per_tensor",)}, kind="mutant",
     mutant_of="dcp_fp8_allgather", caught_by=("drift_budget",), requires=("dcp_mla",),
     touches=("logits", "kda_state", "mla_rows"))

@@ -61,10 +61,12 @@ register(Toggle(
                 "(token, head) row; softmax and P @ V in fp32; decode unchanged",
     ops={"mla_prefill": mla_fp8_prefill}, events=("op:mla_prefill",)))
 
-for _fault, _what in (("dequant_scale_x2", "dequantized with amax/224 instead of amax/448"),
-                      ("per_tensor", "one scale per Q, K and V tensor instead of one per (token, head)")):
-    register(Toggle(
-        name=f"mut_mla_fp8_{_fault}", kind="mutant", mutant_of="mla_fp8_prefill", contract=FP8_ATTENTION,
-        touches=("logits", "kda_state", "mla_rows"), description=f"FP8 prefill Q/K/V {_what}",
-        caught_by=("drift_budget",), lives_in="mla/mixer",
-        ops={"mla_prefill": functools.partial(mla_fp8_prefill, _fault=_fault)}, events=("op:mla_prefill",)))
+# The FP8 prefill mutant: dequantized with amax/224 (twice the scale it quantized with). A
+# per-tensor scale is not registered: on k3-mini (single) it measured no worse than per-row
+# (mean KL 0.00253 vs 0.00436, top-1 1.0): Q, K and V rows share one magnitude here, so no
+# drift budget can tell the two apart; tests/test_fp8_toggles.py judges per-row scaling directly.
+register(Toggle(
+    name="mut_mla_fp8_dequant_scale_x2", kind="mutant", mutant_of="mla_fp8_prefill", contract=FP8_ATTENTION,
+    touches=("logits", "kda_state", "mla_rows"), description="FP8 prefill Q/K/V dequantized with amax/224 "
+    "instead of amax/448", caught_by=("drift_budget",), lives_in="mla/mixer",
+    ops={"mla_prefill": functools.partial(mla_fp8_prefill, _fault="dequant_scale_x2")}, events=("op:mla_prefill",)))

@@ -81,12 +81,17 @@ register(Toggle(
                 "where a copy was meant)", caught_by=("logits",), lives_in="moe/ffn",
     ops={"moe_block": functools.partial(moe_forward_side_stream, _row0=True)}, events=("op:moe_block",)))
 
-# the two FP8 mutants: dequantized with twice the scale it quantized with (amax/224), and one
-# scale for the whole expert output where one per row is declared
-for _fault, _what in (("dequant_scale_x2", "dequantized with amax/224 instead of amax/448"),
-                      ("per_tensor", "one scale per expert output tensor instead of one per row")):
-    register(Toggle(
-        name=f"mut_moe_fp8_{_fault}", kind="mutant", mutant_of="moe_fp8_stage2", contract=FP8_STAGE2,
-        touches=("logits", "kda_state", "mla_rows"), description=f"FP8 stage-2 outputs {_what}",
-        caught_by=("drift_budget",), lives_in="moe/ffn",
-        ops={"moe_experts": functools.partial(routed_fp8_stage2, _fault=_fault)}, events=("op:moe_experts",)))
+# The FP8 stage-2 mutant: each row dequantized with its neighbour's scale (an off-by-one in the
+# scale index). A uniformly wrong scale (amax/224) is no mutant here: K3's routed output passes
+# the latent RMSNorm (model/moe.py routed_part), which divides any common factor out, so it
+# measured identical to the toggle (k3-mini single: mean KL 0.00569 vs 0.00568). A per-tensor
+# scale is not registered either: on k3-mini it measured inside the budget (single: mean KL
+# 0.0335, top-1 0.972), and the toggle itself reaches mean KL 0.0286 (multi_length), so no
+# honest budget separates them; tests/test_fp8_toggles.py judges per-row scaling directly.
+register(Toggle(
+    name="mut_moe_fp8_row_shifted_scale", kind="mutant", mutant_of="moe_fp8_stage2", contract=FP8_STAGE2,
+    touches=("logits", "kda_state", "mla_rows"),
+    description="FP8 stage-2 outputs: each row dequantized with the previous row's scale",
+    caught_by=("drift_budget",), lives_in="moe/ffn",
+    ops={"moe_experts": functools.partial(routed_fp8_stage2, _fault="row_shifted_scale")},
+    events=("op:moe_experts",)))
