@@ -52,6 +52,9 @@ register(Toggle(
 # prefill calls (decode reads the full-precision rows). Predicted: mean KL 5e-4-3e-3, max KL
 # 0.05-0.3, top-1 >= 0.98, final KDA state 0.01-0.05 of max. kvv not named (an endpoint's API
 # contract, k3verify/quality/kvv_gate.py: no numerics toggle can move it).
+# Measured 2026-12-02 (embedded k3-mini, CPU fp32; NOTES.md): mean KL 7e-5-4.4e-3, top-1 >= 0.991,
+# but max KL 0.94 (multi_length) and 0.84 (boundaries, row 386) exceed the declared 0.5: on those
+# scenarios the toggle FAILS its budget. Left as declared (a finding, not a budget to widen).
 FP8_ATTENTION = Contract("approx", max_kl=0.5, mean_kl=0.01, min_top1=0.97, max_state_rel=0.1,
                          quality=("gsm8k", "needle"))
 
