@@ -66,6 +66,7 @@ EVENTS = {
     "moe_shard_add": "the routed output was column-sharded into the shared expert's partial",
     "fused_allreduce": "the all-reduce ran fused with the residual add",
     "dcp_merge": "MLA partial attentions were merged by log-sum-exp across ranks",
+    "dcp_fp8_gather": "a prefill call all-gathered the DCP-sharded MLA context in FP8 (tp_shards.py)",
 }
 
 

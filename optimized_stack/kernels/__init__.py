@@ -3,8 +3,11 @@
     kda/       chunked.py  (chunked UT form, CPU; single-sequence op form + batched training form)
                recurrent.py (batched recurrence: the differentiable CPU fallback of training)
                fla.py      (fla-core's chunk / fused-recurrent kernels: op forms + training form)
-    mla/       absorbed.py (attention over latent rows), sdpa.py (torch's fused SDPA: op + training)
-    moe/       grouped.py  (expert GEMMs over tokens grouped by expert), side_stream.py
+    mla/       absorbed.py (attention over latent rows), sdpa.py (torch's fused SDPA: op + training),
+               fp8_prefill.py (prefill attention on FP8 Q/K/V)
+    moe/       grouped.py  (expert GEMMs over tokens grouped by expert), side_stream.py,
+               fp8_stage2.py (expert outputs stored in FP8 before the combine)
+    fp8_rows.py  e4m3 with one scale per row: the storage form the FP8 forms share
     attn_res/  the seeded faults of the AttnRes read
 
 The reference of every op stays in optimized_stack/model/ (plain, one obvious way); each

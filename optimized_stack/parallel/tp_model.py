@@ -21,7 +21,8 @@ The per-layer shard blocks (_KDAShard, _MLAShard, _FFNShard, dcp_attention) are 
 Options (toggles, see toggle_defs.py) change only where and in which order sums happen:
 `dedup` (replicated work row-sharded then all-gathered), `moe_output_shard` (latent
 up-projection column-sharded into the shared expert's partial), `fused_allreduce_residual`
-(one-shot rank-order sum with the residual added in the same pass), `dcp_mla`.
+(one-shot rank-order sum with the residual added in the same pass), `dcp_mla`, and with it
+`dcp_fp8_allgather` (prefill over the whole context gathered in FP8, dcp_fp8.py).
 """
 from __future__ import annotations
 
@@ -41,8 +42,9 @@ from .launch import Comm, shard_range, split_sizes
 from .tp_shards import _FFNShard, _KDAShard, _MLAShard, _w
 
 FAULTS = ("dedup_gather_reversed", "moe_shard_full_on_every_rank", "allreduce_twice",
-          "dcp_merge_no_rescale")
-OPTION_KEYS = ("tp_dedup", "moe_output_shard", "fused_allreduce_residual", "dcp_mla", "faults")
+          "dcp_merge_no_rescale", "dcp_fp8_dequant_scale_x2", "dcp_fp8_per_tensor")
+OPTION_KEYS = ("tp_dedup", "moe_output_shard", "fused_allreduce_residual", "dcp_mla", "faults",
+               "dcp_fp8_allgather")
 
 
 @dataclass(frozen=True)
@@ -52,11 +54,14 @@ class TPOptions:
     fused_allreduce_residual: bool = False
     dcp_mla: bool = False
     faults: frozenset = frozenset()         # seeded faults of the TP mutants
+    dcp_fp8_allgather: bool = False         # prefill gathers the DCP context in FP8 (dcp_fp8.py)
 
     def __post_init__(self) -> None:
         bad = sorted(set(self.faults) - set(FAULTS))
         if bad:
             raise K3Error(f"TP fault {bad[0]!r}: expected some of {', '.join(FAULTS)}")
+        if self.dcp_fp8_allgather and not self.dcp_mla:
+            raise K3Error("TP option dcp_fp8_allgather gathers the DCP context: it needs dcp_mla")
 
     @classmethod
     def from_runner(cls, opts: dict[str, Any]) -> "TPOptions":
@@ -66,7 +71,7 @@ class TPOptions:
             raise K3Error(f"TP runner option {bad[0]!r}: expected some of {', '.join(OPTION_KEYS)}")
         return cls(bool(opts.get("tp_dedup")), bool(opts.get("moe_output_shard")),
                    bool(opts.get("fused_allreduce_residual")), bool(opts.get("dcp_mla")),
-                   frozenset(opts.get("faults", ())))
+                   frozenset(opts.get("faults", ())), bool(opts.get("dcp_fp8_allgather")))
 
 
 class TPModel:

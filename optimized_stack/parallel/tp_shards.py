@@ -21,6 +21,7 @@ from ..model import ops
 from ..model.kda import KDAState, causal_conv, kda_scan
 from ..model.mla import blocked_attention
 from ..model.ops import OPS, exp, l2_norm, rms_norm, sigmoid, silu, situ, swiglu
+from .dcp_fp8 import gather_context_fp8
 from .launch import Comm, shard_range
 
 if TYPE_CHECKING:  # only for the ctx annotations; tp_model imports this module
@@ -136,7 +137,17 @@ class _MLAShard:
         q = lin(rep[0], self.q_w) if self.q_a is not None else lin(x, self.q_w)
         q = q.view(t_len, self.h, cfg.qk_head_dim)
         scale = cfg.qk_head_dim ** -0.5
-        if ctx.opts.dcp_mla:
+        if ctx.opts.dcp_fp8_allgather and t_len > 1:
+            # prefill: gather the sharded context in FP8 and attend this rank's heads over it
+            ctx.events.fire("dcp_fp8_gather")
+            comm = ctx.comm
+            cache = torch.cat([cache, rows_new[q_pos % comm.world_size == comm.rank]], 0)
+            full = gather_context_fp8(cache, start + t_len, comm, ctx.opts.faults)   # every rank calls it
+            if self.h == 0:
+                return x.new_zeros(t_len, ctx.d), cache
+            k, v = self._decompress(full.to(rows_new.dtype), self.kv_b, self.h)
+            o = (OPS.attention or blocked_attention)(q, k, v, q_pos, scale)
+        elif ctx.opts.dcp_mla:
             ctx.events.fire("dcp_merge")
             comm = ctx.comm
             keep = q_pos % comm.world_size == comm.rank
