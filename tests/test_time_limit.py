@@ -33,12 +33,16 @@ def test_units_past_the_limit_are_inconclusive_and_a_resume_runs_them(tmp_path, 
     assert "--time-limit of 1e-09 s passed" in rows[0]["reason"]
     assert "0 of 2 units run now" in out, out
     assert not list((run_dir / "checks").glob("*.json")), "an unrun unit must not be recorded as finished"
+    summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+    assert summary["units_not_run_time_limit"] == 2 and summary["verdict"] != "pass"
+    assert summary["release_suite_s"] is not None and summary["release_suite_s"] >= 0
     # negative control: the same units with time to run pass, and only the resume ran them
     run_id = json.loads((run_dir / "plan.json").read_text(encoding="utf-8"))["run_id"]
     assert cli.main(["all", "--resume", run_id, "--report-dir", str(run_dir)]) == 0
     out = capsys.readouterr().out
     assert "2 of 2 units run now" in out, out
     assert {r["status"] for r in _rows(run_dir)} >= {"pass"} and not any(r.get("not_run") for r in _rows(run_dir))
+    assert json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))["units_not_run_time_limit"] == 0
 
 
 def test_a_bad_time_limit_is_one_line(tmp_path, capsys):
@@ -46,3 +50,16 @@ def test_a_bad_time_limit_is_one_line(tmp_path, capsys):
         assert cli.main(["all", "--time-limit", bad, "--report-dir", str(tmp_path / bad)]) == 2
         err = capsys.readouterr().err
         assert "--time-limit must be a number of seconds in (0, 1e7)" in err and "Traceback" not in err
+
+
+def test_release_on_cuda_is_the_gpu_form_and_cpu_keeps_its_own():
+    """`all --suite release --device cuda` runs checks/release.cuda.toml; a device with no form of
+    its own (and the CPU) runs checks/release.toml. Negative control: the two files differ."""
+    from k3verify.suites import suite as suites
+
+    gpu, cpu = suites.suite_path("release", "cuda"), suites.suite_path("release", "cpu")
+    assert gpu.name == "release.cuda.toml" and cpu.name == "release.toml"
+    assert suites.suite_path("release", "mps").name == "release.toml"
+    assert suites.load_suite("release", "cuda").sha256 != suites.load_suite("release").sha256
+    models = {c.model for c in suites.load_suite("release", "cuda").checks}
+    assert {"k3-small", "golden/k3-dims"} <= models, "the GPU gate judges at K3's head dims"

@@ -1,12 +1,14 @@
 """summary.json of a `k3verify all` run: the figures a release sign-off is read from, in one small file.
 
-Written beside report.json by every `all` run, on any device (issue 26 item 5): the suite's wall
-seconds and seconds per check kind and model (from the finished units' own durations, so a resumed
-run counts each unit once), the models and device, exact verdicts per model, approx toggles with
+Written beside report.json by every `all` run, on any device (issue 26 item 5): the run's wall
+seconds (`release_suite_s`: plan written to summary written; a resumed run spans both attempts),
+the units' own seconds summed (`suite_s`, more than the wall under --jobs) and per check kind and
+model (a resumed run counts each unit once), the units --time-limit left unrun, the models and device, exact verdicts per model, approx toggles with
 each gate's status, mutants caught per model, localisation accuracy, and which toggles are counted.
 """
 from __future__ import annotations
 
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +61,12 @@ def build_summary(plan: dict, report: dict, run_dir: Path) -> dict[str, Any]:
             m = mutants.setdefault(_model_of(r, plan), {"caught": 0, "total": 0})
             m["total"] += 1
             m["caught"] += r["caught"] is True
+    not_run = sum(1 for r in results if r.get("not_run") == "time_limit")
+    try:
+        created = datetime.fromisoformat(plan["created"])
+        wall = round((datetime.now(timezone.utc) - created).total_seconds(), 1)
+    except (KeyError, TypeError, ValueError):
+        wall = None
     nc = report.get("negative_controls") or {}
     env = report.get("environment") or {}
     return {"format": SUMMARY_FORMAT, "version": SUMMARY_VERSION, "run_id": report["run_id"],
@@ -66,6 +74,7 @@ def build_summary(plan: dict, report: dict, run_dir: Path) -> dict[str, Any]:
             "device": plan.get("device", "cpu"), "dtype": plan.get("dtype", "float32"),
             "cuda_device": (env.get("cuda") or {}).get("device") if isinstance(env.get("cuda"), dict) else None,
             "models": sorted({plan.get("model") or "embedded", *(u["model"] for u in plan["units"] if u.get("model"))}),
+            "release_suite_s": wall, "units_not_run_time_limit": not_run,
             "suite_s": round(sum(per_kind.values()), 2), "seconds_per_kind": per_kind,
             "exact_verdicts": exact, "approx_verdicts": approx, "mutants": mutants,
             "localisation": {k: nc.get(k) for k in ("localised", "localisable", "localisation_accuracy", "mislocalised")},
