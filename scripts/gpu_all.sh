@@ -8,11 +8,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/k3-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-if [ -d .whl ] && [ ! -f /tmp/site/.k3-installed ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && touch /tmp/site/.k3-installed
-fi
-export PYTHONPATH=/tmp/site:$PWD
+source scripts/gpu_env.sh     # carried wheels (.whl/) and PYTHONPATH
 nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader || true
 RUN="$OUT/run"
 t0=$(date +%s)

@@ -18,11 +18,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/k3-engine-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-if [ -d .whl ] && [ ! -f /tmp/site/.k3-installed ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && touch /tmp/site/.k3-installed
-fi
-export PYTHONPATH=/tmp/site:$PWD
+source scripts/gpu_env.sh     # carried wheels (.whl/) and PYTHONPATH
 {
   nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
   python3 -c 'import torch, triton, fla, transformers; print("torch", torch.__version__, "triton", triton.__version__, "fla", fla.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name(0))'

@@ -11,12 +11,7 @@ OUT=${OUT:-/tmp/k3-gpu-out}
 mkdir -p "$OUT"
 # NVLink multicast stays off (device README): a program using it can take the host's GPUs down
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-# carried wheels (fla-core) go to /tmp/site once; a second script on the same machine reuses them
-if [ -d .whl ] && [ ! -f /tmp/site/.k3-installed ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && touch /tmp/site/.k3-installed
-fi
-export PYTHONPATH=/tmp/site:$PWD
+source scripts/gpu_env.sh     # carried wheels (.whl/) and PYTHONPATH
 nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader || true
 n_gpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 bench_gpu=$(( n_gpu > 1 ? 1 : 0 ))

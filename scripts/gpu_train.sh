@@ -11,12 +11,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/k3-train-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-# carried wheels (fla-core) go to /tmp/site once; a second script on the same machine reuses them
-if [ -d .whl ] && [ ! -f /tmp/site/.k3-installed ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && touch /tmp/site/.k3-installed
-fi
-export PYTHONPATH=/tmp/site:$PWD
+source scripts/gpu_env.sh     # carried wheels (.whl/) and PYTHONPATH
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
 python3 -c "
 import json, torch, sys; sys.setrecursionlimit(10000)
