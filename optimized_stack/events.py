@@ -48,6 +48,9 @@ EVENTS = {
     "spec_accept_all": "a verification accepted every draft",
     "spec_accept_partial": "a verification accepted some drafts and rejected the rest",
     "spec_reject_all": "a verification rejected every draft",
+    # engine/drafter_model.py
+    "spec_model_drafts": "the trained draft model proposed drafts from the target's hidden states "
+                         "(ModelDrafter.propose_many)",
     # engine/fast/decoder.py: the batched decode step and its graphs
     "fast_decode_rows": "a request's decode row ran in the batched decode step (FastDecoder.run)",
     "fast_padded_rows": "the batched decode step ran padding rows up to the ladder size (FastDecoder.run)",
