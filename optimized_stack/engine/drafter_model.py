@@ -212,11 +212,15 @@ class ModelDrafter:
         return cls(model, head, events, faults=faults)
 
     @contextlib.contextmanager
-    def watching(self, segments: list[tuple[str, int, int]], keep: int) -> Iterator[None]:
+    def watching(self, segments: list[tuple[str, int, int]], keep: int, wanted: set[str]) -> Iterator[None]:
         """During one forward_batch over `segments` (request id, first position, end position) in
-        order: keep each request's last `keep` final-norm rows, joined to the rows its earlier
-        forwards left (a draft starts from the row at len(tokens) - 2; rows of rejected drafts
-        sit past it and are overwritten by the next forward, which starts at the first of them)."""
+        order: keep the last `keep` final-norm rows of each request in `wanted`, joined to the rows
+        its earlier forwards left (a draft starts from the row at len(tokens) - 2; rows of rejected
+        drafts sit past it and are overwritten by the next forward, which starts at the first of
+        them). With nothing wanted no probe is attached: the forward runs untouched."""
+        if not wanted:
+            yield
+            return
         seen: list[torch.Tensor] = []
 
         def probe(layer: int, name: str, t: torch.Tensor) -> None:
@@ -235,6 +239,8 @@ class ModelDrafter:
         for rid, a, b in segments:
             mine = rows[offset:offset + b - a]                            # positions a .. b-1
             offset += b - a
+            if rid not in wanted:
+                continue
             prev = self._rows.get(rid)
             if prev is not None and prev[0] <= a <= prev[0] + prev[1].shape[0]:
                 # positions before a are the earlier forwards' (anything from a on is recomputed)

@@ -193,7 +193,7 @@ class Engine:
             recording = (self.spec.recording([(req, st) for (req, _), st in zip(batch, states)])
                          if self.spec is not None else contextlib.nullcontext({}))
             # the draft model reads the final-norm rows of this very forward (no second forward)
-            watching = (self.spec.watching([(req.request_id, a, b) for req, (a, b) in batch])
+            watching = (self.spec.watching([(req, a, b) for req, (a, b) in batch])
                         if self.spec is not None else contextlib.nullcontext())
             plain = len(batch) > 1 and "mut_batch_plain_linear" in self.opts.faults
             with recording as records, watching, (ops.override(linear=ops.plain_linear) if plain

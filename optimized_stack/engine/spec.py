@@ -145,12 +145,15 @@ class Speculator:
         for req, draft in zip(ready, drafts):
             req.draft = self._filled(req, draft, self._room(req))
 
-    def watching(self, segments: list[tuple[str, int, int]]):
-        """Context for one forward over segments (request id, start, end): the draft model keeps
-        the final-norm rows it drafts from (nothing for prompt lookup)."""
-        if isinstance(self.drafter, ModelDrafter):
-            return self.drafter.watching(segments, keep=self.k + 2)
-        return contextlib.nullcontext()
+    def watching(self, segments: list[tuple[Request, int, int]]):
+        """Context for one forward over segments (request, start, end): the draft model keeps the
+        final-norm rows it drafts from (nothing for prompt lookup), of the requests that may still
+        draft after this forward: greedy, with room for a draft after the token it emits."""
+        if not isinstance(self.drafter, ModelDrafter):
+            return contextlib.nullcontext()
+        wanted = {req.request_id for req, _, _ in segments
+                  if req.params.temperature == 0 and req.params.max_new_tokens - len(req.generated) >= 3}
+        return self.drafter.watching([(req.request_id, a, b) for req, a, b in segments], self.k + 2, wanted)
 
     def _room(self, req: Request) -> int:
         # never verify past max_new_tokens: a step emits at most len(draft) + 1 tokens
