@@ -132,6 +132,8 @@ def test_capture_in_place_mutant_is_caught(model, refs):
     res = {r.check: r for r in check_toggle(model, name, sc, runner=refs, localize_failures=False)}
     for c in toggles.get(name).caught_by:
         assert res[c].status == "fail", f"{name}: {c} should catch it, got {res[c].status}: {res[c].reason}"
+    # a positive per-row scale keeps every argmax: the tokens alone would have let it through
+    assert res["tokens"].status == "pass", res["tokens"].reason
 
 
 # ---- acceptance --------------------------------------------------------------------------

@@ -69,6 +69,8 @@ _opt("spec_model_replay_ssm", f"speculative decoding, {NUM_DRAFT_TOKENS} drafts 
 # Reading the target's hidden state from inside its forward is the new risk: a capture that writes
 # to what it observes changes the target's own logits (a wrong-position read only costs acceptance
 # and is no contract violation: tests/test_drafter_model.py holds that one to the acceptance metric).
+# The tokens survive (a positive per-row scale keeps every argmax): only the logits check sees it, and
+# the engine trace localises it where the altered rows enter, the lm_head (head/logits).
 _mut("mut_spec_model_capture_in_place", "spec_model_replay_ssm", "the draft model's hidden-state capture "
      "RMS-scales the final-norm rows in place, i.e. the tensor the target's lm_head reads next",
-     MODEL_REPLAY, ("logits",), "engine/spec", ("spec_model_drafts",))
+     MODEL_REPLAY, ("logits",), "head/logits", ("spec_model_drafts",))
