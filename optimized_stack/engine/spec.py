@@ -1,5 +1,5 @@
-"""Speculative decoding with exact KDA rollback: n-gram drafter, greedy verification and two
-rollback strategies.
+"""Speculative decoding with exact KDA rollback: n-gram drafter (or the trained draft model of
+drafter_model.py, engine option drafter="model"), greedy verification and two rollback strategies.
 
 A decode step of a greedy request with drafts d_1..d_m runs [t_last, d_1..d_m] in one
 forward (m+1 rows). By row-stability row i is bit-identical to the row a one-token decode
