@@ -86,6 +86,8 @@ def bench(model, workload: str, prompts: list[list[int]], max_new: int, batches:
             r = run_once(model, prompts, max_new, b, d, k, drafter_checkpoint)
             rows.append({**r, "workload": workload, "batch": b, "speedup": plain["wall_s"] / r["wall_s"],
                          "exact": r["tokens"] == plain["tokens"]})
+            print(f"[{workload} B={b}] {d}: acceptance length {r['acceptance_length']:.3f} "
+                  f"({r['wall_s']:.1f}s, plain {plain['wall_s']:.1f}s)", file=sys.stderr, flush=True)
     return rows
 
 
