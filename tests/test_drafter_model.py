@@ -47,18 +47,24 @@ def refs(model):
 
 
 # ---- the checkpoint --------------------------------------------------------------------
-def test_shipped_drafter_loads_fits_its_target_and_matches_its_manifest(model):
-    head = dm.load_drafter(SHIPPED)
-    dm.check_fits(head.cfg, model, SHIPPED)
-    manifest = json.loads((SHIPPED / "manifest.json").read_text())
+def test_k3_mini_ships_a_drafter():
+    assert SHIPPED.is_dir(), "golden/drafters/k3-mini (the embedded model's drafter) is missing"
+
+
+@pytest.mark.parametrize("shipped", sorted(p.name for p in dm.DRAFTERS_DIR.iterdir()))
+def test_shipped_drafter_loads_fits_its_target_and_matches_its_manifest(shipped):
+    where, target_dir = dm.DRAFTERS_DIR / shipped, GOLDEN_DIR / shipped
+    head = dm.load_drafter(where)
+    dm.check_fits(head.cfg, load_model(target_dir), where)
+    manifest = json.loads((where / "manifest.json").read_text())
     for name, sha in manifest["files"].items():
-        assert dm.file_sha256(SHIPPED / name) == sha, f"{name} does not match its manifest sha256"
-    # a retrained golden k3-mini makes this drafter stale (still exact, but its acceptance is gone)
-    assert manifest["target"]["model.safetensors"] == dm.file_sha256(GOLDEN_DIR / "k3-mini" / "model.safetensors"), \
-        "golden/k3-mini changed since the drafter was distilled: rerun the manifest's command"
+        assert dm.file_sha256(where / name) == sha, f"{name} does not match its manifest sha256"
+    # a retrained golden target makes its drafter stale (still exact, but its acceptance is gone)
+    assert manifest["target"]["model.safetensors"] == dm.file_sha256(target_dir / "model.safetensors"), \
+        f"golden/{shipped} changed since its drafter was distilled: rerun the manifest's command"
     assert "scripts/train_drafter.py" in manifest["provenance"]["command"]
-    size = sum(p.stat().st_size for p in SHIPPED.iterdir())
-    assert size < 2 * 1024 * 1024, f"the drafter checkpoint must stay under 2 MB, it is {size} bytes"
+    size = sum(p.stat().st_size for p in where.iterdir())
+    assert size < 2 * 1024 * 1024, f"a drafter checkpoint must stay under 2 MB, {shipped}'s is {size} bytes"
 
 
 def _write_head(tmp_path, hidden=128, vocab=272, inner=32, seed=0):
