@@ -52,6 +52,9 @@ EVENTS = {
     "spec_sampled_accept_all": "a sampled verification accepted every draft (the bonus token drawn from p)",
     "spec_sampled_accept_partial": "a sampled verification accepted some drafts, the next token from the residual",
     "spec_sampled_reject_all": "a sampled verification rejected the first draft, the token from the residual",
+    # engine/drafter_model.py
+    "spec_model_drafts": "the trained draft model proposed drafts from the target's hidden states "
+                         "(ModelDrafter.propose_many)",
     # engine/fast/decoder.py: the batched decode step and its graphs
     "fast_decode_rows": "a request's decode row ran in the batched decode step (FastDecoder.run)",
     "fast_padded_rows": "the batched decode step ran padding rows up to the ladder size (FastDecoder.run)",

@@ -28,7 +28,7 @@ def _suite(body: str, header: str = "version = 2\n") -> str:
 
 @pytest.mark.parametrize("name, kinds", [
     ("premerge", {"selftest", "drift", "golden", "gsm8k", "needle", "kvv"}),
-    ("release", {"selftest", "diff", "drift", "golden", "gsm8k", "needle", "kvv", "bench"}),
+    ("release", {"selftest", "diff", "drift", "golden", "gsm8k", "needle", "kvv", "bench", "spec_sampling"}),
 ])
 def test_builtin_suites_load_and_expand(name, kinds):
     s = suites.load_suite(name)

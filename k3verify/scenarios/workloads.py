@@ -304,7 +304,9 @@ def _agentic(g: _Gen, scale: float) -> _Parts:
 REQUOTE_TOKENS = 96
 
 
-@scenario("spec_repetitive", tags=("spec",), fires=("spec_accept_all", "spec_accept_partial", "spec_reject_all"),
+@scenario("spec_repetitive", tags=("spec",),
+          # spec_model_drafts: under the draft model's toggles (spec_model_*), whose selftest picks this one
+          fires=("spec_accept_all", "spec_accept_partial", "spec_reject_all", "spec_model_drafts"),
           description="repeated sentences, then the model's real answer and the prompt's tail re-quoted: "
                       "prompt-lookup drafts accepted in full, in part and rejected")
 def _spec_repetitive(g: _Gen, scale: float) -> _Parts:

@@ -223,9 +223,12 @@ class Engine:
             ids = [torch.tensor((req.tokens + req.draft)[a:b], dtype=torch.long) for req, (a, b) in batch]
             recording = (self.spec.recording([(req, st) for (req, _), st in zip(batch, states)])
                          if self.spec is not None else contextlib.nullcontext({}))
+            # the draft model reads the final-norm rows of this very forward (no second forward)
+            watching = (self.spec.watching([(req, a, b) for req, (a, b) in batch])
+                        if self.spec is not None else contextlib.nullcontext())
             plain = len(batch) > 1 and "mut_batch_plain_linear" in self.opts.faults
-            with recording as records, (ops.override(linear=ops.plain_linear) if plain
-                                        else contextlib.nullcontext()):
+            with recording as records, watching, (ops.override(linear=ops.plain_linear) if plain
+                                                  else contextlib.nullcontext()):
                 outs = self.model.forward_batch(list(zip(ids, states)))
             for (req, (a, b)), st, rows in zip(batch, states, outs):
                 self.metrics.tokens_computed += b - a

@@ -14,7 +14,7 @@ from ..errors import K3Error
 
 PREEMPT_MODES = ("recompute", "swap")
 SPEC_STRATEGIES = ("copy_states", "replay_ssm")     # KDA rollback after verification (spec.py)
-DRAFTERS = ("ngram",)
+DRAFTERS = ("ngram", "model")                 # prompt lookup; the trained head (drafter_model.py)
 
 # Seeded faults an EngineOptions may carry (each is registered as a mutant toggle).
 FAULTS = {
@@ -42,6 +42,8 @@ FAULTS = {
     "mut_spec_sampled_accept_sqrt": "sampled speculation accepts a draft with min(1, p/q) ** 0.5, not min(1, p/q)",
     "mut_spec_sampled_resample_from_p": "sampled speculation draws the token after a rejection from p, not from "
                                         "the residual max(0, p - q)",
+    "mut_spec_model_capture_in_place": "the model drafter's hidden-state capture rescales the final-norm rows "
+                                       "in place, under the target's lm_head",
     "mut_fast_pad_shares_table": "the batched decode step's padding rows use the first request's block table, "
                                  "not the scratch block",
     "mut_fast_conv_wrong_row": "the batched decode step stores request i's conv window from request i+1's input",
@@ -96,6 +98,8 @@ class EngineOptions:
     speculative: str | None = None
     num_draft_tokens: int = 3
     drafter: str = "ngram"
+    # drafter="model": its checkpoint directory; None -> golden/drafters/<the target's name>
+    drafter_checkpoint: str | None = None
     forced_acceptance: float | None = None
     # speculation for requests with temperature > 0 too, by rejection sampling (spec_sampling.py):
     # the output distribution is the plain sampler's, the random stream is not (so not bitwise)
@@ -130,6 +134,12 @@ class EngineOptions:
                           f"got {self.speculative!r}")
         if self.drafter not in DRAFTERS:
             raise K3Error(f"engine option drafter: expected one of {DRAFTERS}, got {self.drafter!r}")
+        if self.drafter_checkpoint is not None and (self.drafter != "model"
+                                                    or not isinstance(self.drafter_checkpoint, str)):
+            raise K3Error(f"engine option drafter_checkpoint: expected None unless drafter='model' (then a "
+                          f"directory), got {self.drafter_checkpoint!r} with drafter={self.drafter!r}")
+        if self.drafter == "model" and self.speculative is None:
+            raise K3Error("engine option drafter='model' requires speculative, which is off")
         fa = self.forced_acceptance
         if fa is not None:
             if isinstance(fa, bool) or not isinstance(fa, (int, float)) or not 1 <= fa <= self.num_draft_tokens + 1:

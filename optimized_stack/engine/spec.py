@@ -1,5 +1,5 @@
-"""Speculative decoding with exact KDA rollback: n-gram drafter, greedy verification and two
-rollback strategies.
+"""Speculative decoding with exact KDA rollback: n-gram drafter (or the trained draft model of
+drafter_model.py, engine option drafter="model"), greedy verification and two rollback strategies.
 
 A decode step of a greedy request with drafts d_1..d_m runs [t_last, d_1..d_m] in one
 forward (m+1 rows). By row-stability row i is bit-identical to the row a one-token decode
@@ -45,6 +45,7 @@ from ..model.kda import KDATrace, kda_recurrent_trace, kda_replay, kda_scan
 from ..model.model import K3Model, RequestState
 from ..model.ops import OPS
 from ..events import Events
+from .drafter_model import ModelDrafter
 from .options import EngineOptions
 from .scheduler import Request
 from .spec_sampling import verify_sampled
@@ -119,7 +120,8 @@ class Speculator:
         self.strategy = opts.speculative
         self.k = opts.num_draft_tokens
         self.faults = opts.faults
-        self.drafter = NgramDrafter()
+        self.drafter = (ModelDrafter.for_target(model, opts.drafter_checkpoint, self.events, faults=opts.faults)
+                        if opts.drafter == "model" else NgramDrafter())
         self.stats = SpecStats()
         self.kda_layers = {layer.index: layer.self_attn for layer in model.model.layers if layer.kind == KDA}
         self._credit: dict[str, float] = {}        # forced acceptance: fractional tokens owed
@@ -127,24 +129,54 @@ class Speculator:
     # ---- drafting ---------------------------------------------------------------------
     def propose(self, requests: list[Request]) -> None:
         """Set req.draft for every greedy request about to decode; clear it for the rest."""
+        if isinstance(self.drafter, ModelDrafter):
+            self._propose_with_model(requests)
+            return
         for req in requests:
             req.draft = self._draft(req) if self._eligible(req) else []
+
+    def _propose_with_model(self, requests: list[Request]) -> None:
+        """The draft model drafts every eligible request in one batch (one small forward per draft)."""
+        assert isinstance(self.drafter, ModelDrafter)
+        self.drafter.forget_except({req.request_id for req in requests})
+        ready = [req for req in requests if self._eligible(req)]
+        for req in requests:
+            req.draft = []
+        drafts = self.drafter.propose_many([(req.request_id, req.tokens, self._room(req)) for req in ready])
+        for req, draft in zip(ready, drafts):
+            req.draft = self._filled(req, draft, self._room(req))
+
+    def watching(self, segments: list[tuple[Request, int, int]]):
+        """Context for one forward over segments (request, start, end): the draft model keeps the
+        final-norm rows it drafts from (nothing for prompt lookup), of the requests that may still
+        draft after this forward: greedy (or sampled, with spec_sampled), with room for a draft after the
+        token it emits."""
+        if not isinstance(self.drafter, ModelDrafter):
+            return contextlib.nullcontext()
+        wanted = {req.request_id for req, _, _ in segments
+                  if (req.params.temperature == 0 or self.opts.spec_sampled)
+                  and req.params.max_new_tokens - len(req.generated) >= 3}
+        return self.drafter.watching([(req.request_id, a, b) for req, a, b in segments], self.k + 2, wanted)
+
+    def _room(self, req: Request) -> int:
+        # never verify past max_new_tokens: a step emits at most len(draft) + 1 tokens
+        return min(self.k, req.params.max_new_tokens - len(req.generated) - 1)
+
+    def _filled(self, req: Request, draft: list[int], k: int) -> list[int]:
+        if self.opts.forced_acceptance is not None and k > 0:
+            # timing mode: always score k drafts (the filler only has to be a valid id)
+            draft = draft + [req.tokens[-1]] * (k - len(draft))
+        return draft
 
     def _eligible(self, req: Request) -> bool:
         return (req.status == "running" and req.pending == 1 and not req.skip_generated
                 and (req.params.temperature == 0 or self.opts.spec_sampled))
 
     def _draft(self, req: Request) -> list[int]:
-        # never verify past max_new_tokens: a step emits at most len(draft) + 1 tokens
-        room = req.params.max_new_tokens - len(req.generated) - 1
-        k = min(self.k, room)
+        k = self._room(req)
         if k <= 0:
             return []
-        draft = self.drafter.propose(req.tokens, k)
-        if self.opts.forced_acceptance is not None:
-            # timing mode: always score k drafts (the filler only has to be a valid id)
-            draft = draft + [req.tokens[-1]] * (k - len(draft))
-        return draft
+        return self._filled(req, self.drafter.propose(req.tokens, k), k)
 
     # ---- recording ----------------------------------------------------------------------
     @contextlib.contextmanager

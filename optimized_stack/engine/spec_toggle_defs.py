@@ -17,15 +17,18 @@ NUM_DRAFT_TOKENS = 3
 CB = {"continuous_batching": True}
 COPY = {**CB, "speculative": "copy_states", "num_draft_tokens": NUM_DRAFT_TOKENS}
 REPLAY = {**CB, "speculative": "replay_ssm", "num_draft_tokens": NUM_DRAFT_TOKENS}
+# the trained draft model (engine/drafter_model.py, golden/drafters/<target>) instead of prompt lookup
+MODEL_COPY = {**COPY, "drafter": "model"}
+MODEL_REPLAY = {**REPLAY, "drafter": "model"}
 
 
 # every verification outcome: all drafts kept (no rollback), some kept, none kept
 SPEC_EVENTS = ("spec_accept_all", "spec_accept_partial", "spec_reject_all")
 
 
-def _opt(name: str, description: str, engine: dict) -> None:
+def _opt(name: str, description: str, engine: dict, events: tuple[str, ...] = SPEC_EVENTS) -> None:
     register(Toggle(name=name, description=description, contract=EXACT, touches=ALL, engine=engine,
-                    requires=required_options(engine), exercised_by=("spec",), events=SPEC_EVENTS))
+                    requires=required_options(engine), exercised_by=("spec",), events=events))
 
 
 def _mut(name: str, of: str, description: str, engine: dict, caught_by: tuple[str, ...], lives_in: str,
@@ -53,3 +56,21 @@ _mut("mut_spec_bonus_off_by_one", "spec_copy_states", "when every draft is accep
 _mut("mut_spec_replay_closed_form", "spec_replay_ssm", "replay via the chunked closed form "
      "(kernels/kda/chunked.py: cumulative gates, triangular solve) instead of the sequential recurrence", REPLAY, ("kda_state",), "kda/recurrent",
      ("spec_accept_partial",))
+
+# The draft model's toggles: the same verification and rollbacks, drafts from a small head over
+# the target's final-norm state (captured in the forward the engine runs anyway). Its events add
+# evidence that the model, not prompt lookup, drafted.
+_opt("spec_model_copy_states", f"speculative decoding, {NUM_DRAFT_TOKENS} drafts per step from the trained "
+     "draft model (an MLP over the target's last hidden state) verified in one forward; KDA rollback by "
+     "keeping the state after every verified token", MODEL_COPY, SPEC_EVENTS + ("spec_model_drafts",))
+_opt("spec_model_replay_ssm", f"speculative decoding, {NUM_DRAFT_TOKENS} drafts per step from the trained "
+     "draft model verified in one forward; KDA rollback by replaying the accepted tokens (ReplaySSM)",
+     MODEL_REPLAY, SPEC_EVENTS + ("spec_model_drafts",))
+# Reading the target's hidden state from inside its forward is the new risk: a capture that writes
+# to what it observes changes the target's own logits (a wrong-position read only costs acceptance
+# and is no contract violation: tests/test_drafter_model.py holds that one to the acceptance metric).
+# The tokens survive (a positive per-row scale keeps every argmax): only the logits check sees it, and
+# the engine trace localises it where the altered rows enter, the lm_head (head/logits).
+_mut("mut_spec_model_capture_in_place", "spec_model_replay_ssm", "the draft model's hidden-state capture "
+     "RMS-scales the final-norm rows in place, i.e. the tensor the target's lm_head reads next",
+     MODEL_REPLAY, ("logits",), "head/logits", ("spec_model_drafts",))
