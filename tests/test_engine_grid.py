@@ -148,3 +148,25 @@ def test_a_checkpoint_fault_runs_on_the_grid_and_is_caught(model, grid_reference
         cand = run_toggles(model, ["mut_ckpt_one_late"], SCENARIOS["forks"])
         bad = compare(grid_reference("forks"), cand, GridOracle(model))
     assert bad["kda_state"] and bad["logits"], "the fault did not fire on the grid"
+
+
+def test_an_off_grid_chunk_cut_happens_on_the_grid_only_with_a_long_tail(model):
+    """On the H200, chunked_prefill's off-grid path (and its mutant) never ran on long_prompt: under
+    the grid a 96-token budget cuts inside the prompt only on the grid unless the unaligned tail is
+    longer than 32 tokens. long_prompt_tail has such a tail; the CPU grid twin shows both sides, and
+    mut_chunk_resets_conv caught there."""
+    from k3verify.run.runner import Runner
+    from k3verify.run.sequential import run_scenario
+    from k3verify.scenarios.workloads import build
+    from k3verify.verdict.gate import check_toggle
+
+    with ops.override(kda_prefill=cpu_grid_kda):
+        short = run_scenario(model, build("long_prompt", scale=1.0), ("chunked_prefill",)).events
+        tail = run_scenario(model, build("long_prompt_tail", scale=0.25), ("chunked_prefill",)).events
+    assert short.get("chunk_cut_on_grid", 0) > 0 and not short.get("chunk_cut_off_grid"), short
+    assert tail.get("chunk_cut_off_grid", 0) > 0, tail
+    with ops.override(kda_prefill=cpu_grid_kda):
+        results = check_toggle(model, "mut_chunk_resets_conv", build("long_prompt_tail", scale=0.25),
+                               runner=Runner(model), localize_failures=False)
+    assert {r.check for r in results if r.status == "fail"} & {"kda_state", "logits"}
+    assert results[0].evidence["events"]["chunk_cut_off_grid"] > 0

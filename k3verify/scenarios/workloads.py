@@ -246,6 +246,21 @@ def _long_prompt(g: _Gen, scale: float) -> _Parts:
     return dict(requests=[req])
 
 
+# Where the engine cuts on the 64-token KDA grid (the GPU profile, kernels/kda/grid.py) it cuts a
+# prompt below its aligned length only on the grid; an off-grid cut needs a budget (96) that ends
+# inside the unaligned tail, i.e. a tail longer than 96 - 64 = 32 tokens. long_prompt's 1500 has a
+# tail of 28: on the H200 chunked_prefill cut it 22 times, all on the grid, so neither
+# chunk_cut_off_grid nor mut_chunk_resets_conv ran (golden/reports/gpu-2026-12-02-h200-release).
+# This one keeps a 48-token tail at every scale (tests/test_engine_grid.py proves the cut).
+@scenario("long_prompt_tail", tags=("long",), fires=("chunk_cut_on_grid", "chunk_cut_off_grid"),
+          description="one long prompt with a 48-token unaligned tail, so a 96-token chunk budget cuts "
+                      "off the 64-token KDA grid even where the engine cuts on it")
+def _long_prompt_tail(g: _Gen, scale: float) -> _Parts:
+    n = max(_n(1520, scale), 112)
+    req = RequestSpec("long", tuple(g.text(n - n % 64 + 48, lead="Document: ")), 8)
+    return dict(requests=[req])
+
+
 @scenario("eviction", tags=("prefix", "eviction"),
           description="three prefix families cycled under a device cache smaller than two of them, so every "
                       "reuse is an evict-then-restore (or recompute)")
