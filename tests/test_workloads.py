@@ -17,7 +17,7 @@ TEXT_SCENARIOS = [n for n in NAMES if n != "spec_random"]
 
 def test_registry_lists_every_scenario_from_the_brief():
     assert set(NAMES) == {"single", "multi_length", "boundaries", "shared_prefix_forks", "multi_turn", "long_prompt",
-                          "eviction", "preemption", "agentic", "spec_repetitive", "spec_random"}
+                          "long_prompt_tail", "eviction", "preemption", "agentic", "spec_repetitive", "spec_random"}
     assert set(SCENARIOS) == set(NAMES)
     assert SCENARIOS["single"].build(seed=3) == build("single", seed=3)
     assert list_scenarios("prefix") == ["shared_prefix_forks", "multi_turn", "eviction", "agentic"]
