@@ -19,7 +19,7 @@ KVV_SCORES = {"OCRBench": 0.88, "MMMU-Pro Vision": 0.81, "BEAM 1M": 0.30, "DeepS
 # the least each report-writing command needs besides --report-dir
 REPORT_COMMANDS = {
     "all": [], "bench": ["--toggle", "prefill_step_api"], "diff": ["--toggle", "prefill_step_api"],
-    "gsm8k": [], "kvv": ["--self"], "needle": [], "selftest": [],
+    "gsm8k": [], "kvv": ["--self"], "needle": [], "selftest": [], "spec-sampling": [],
 }
 
 

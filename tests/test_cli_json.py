@@ -86,6 +86,7 @@ CASES = {
     "gsm8k": lambda tmp: ["--dataset", "synth", "--limit", "1", "--num-fewshot", "0", "--max-new-tokens", "2",
                           "--report-dir", tmp / "r"],
     "kvv": lambda tmp: ["import", tmp / "kvv.json", "--report-dir", tmp / "r"],
+    "spec-sampling": lambda tmp: ["--samples", "20000", "--drafter", "ngram", "--report-dir", tmp / "r"],
 }
 
 
