@@ -83,6 +83,15 @@ class TextBackend(Protocol):
                  constraint: TokenConstraint | None = None) -> Iterator[TokenEvent]: ...
 
 
+def check_prompt_ids(prompt_ids: list[int], vocab_size: int) -> None:
+    """What every backend refuses before it generates: an empty prompt, an id outside the vocabulary."""
+    if not prompt_ids:
+        raise K3Error("the prompt must have at least one token, got an empty prompt")
+    bad = [i for i in prompt_ids if not 0 <= int(i) < vocab_size]
+    if bad:
+        raise K3Error(f"prompt token ids must be in [0, {vocab_size}), got {bad[:5]}")
+
+
 # ---------------------------------------------------------------------------
 # Constrained output: a program that names the allowed next units.
 #

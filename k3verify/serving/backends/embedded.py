@@ -20,7 +20,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from k3verify.serving.backends.base import CompletionParams, TextBackend, TokenConstraint, TokenEvent
+from k3verify.serving.backends.base import CompletionParams, TextBackend, TokenConstraint, TokenEvent, check_prompt_ids
 from optimized_stack.errors import K3Error
 
 
@@ -94,11 +94,7 @@ class EmbeddedBackend(TextBackend):
 
     def generate(self, prompt_ids: list[int], params: CompletionParams,
                  constraint: TokenConstraint | None = None) -> Iterator[TokenEvent]:
-        if not prompt_ids:
-            raise K3Error("the prompt must have at least one token, got an empty prompt")
-        bad = [i for i in prompt_ids if not 0 <= int(i) < self.vocab_size]
-        if bad:
-            raise K3Error(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        check_prompt_ids(prompt_ids, self.vocab_size)
         with self._guard:
             if self._open:
                 raise K3Error("the embedded backend runs one generation at a time and one is still open; "

@@ -35,7 +35,7 @@ from typing import Iterator
 
 import torch
 
-from k3verify.serving.backends.base import CompletionParams, TokenConstraint, TokenEvent
+from k3verify.serving.backends.base import CompletionParams, TokenConstraint, TokenEvent, check_prompt_ids
 from k3verify.serving.backends.embedded import pick_token
 from k3verify.serving.stack import ServeStack
 from optimized_stack import toggles as registry
@@ -149,11 +149,7 @@ class EngineBackend:
 
     def generate(self, prompt_ids: list[int], params: CompletionParams,
                  constraint: TokenConstraint | None = None) -> Iterator[TokenEvent]:
-        if not prompt_ids:
-            raise K3Error("the prompt must have at least one token, got an empty prompt")
-        bad = [i for i in prompt_ids if not 0 <= int(i) < self.vocab_size]
-        if bad:
-            raise K3Error(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        check_prompt_ids(prompt_ids, self.vocab_size)
         need = len(prompt_ids) + params.max_tokens - 1
         capacity = self.engine.store.capacity_tokens()
         if capacity and need > capacity:
