@@ -6,3 +6,9 @@ if [ -d .whl ] && [ ! -f /tmp/site/.k3-installed ]; then
     && touch /tmp/site/.k3-installed
 fi
 export PYTHONPATH=/tmp/site:$PWD
+# Triton keeps each autotuned kernel's chosen config on disk (~/.triton/cache): the first process
+# tunes (fla's KDA kernels: ~80-95 s per head size), every later process on this machine reads the
+# choice, so `all --jobs N` workers neither re-tune nor pick different tiles from one another.
+export TRITON_CACHE_AUTOTUNING=1
+# no hub on the device: lm-eval's local JSON task data and the datasets cache only
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1

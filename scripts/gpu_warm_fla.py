@@ -1,5 +1,6 @@
 """Compile fla-core's KDA kernels for a head size (Triton's disk cache keeps them), so a later
-process on the same machine does not spend its time budget compiling: python3 scripts/gpu_warm_fla.py 128"""
+process on the same machine does not spend its time budget compiling: python3 scripts/gpu_warm_fla.py 128 [HEADS]
+(with TRITON_CACHE_AUTOTUNING=1, scripts/gpu_env.sh, the tuned choice is kept on disk too)"""
 import sys
 import time
 
@@ -9,7 +10,7 @@ from optimized_stack.kernels.kda.fla import fla_chunk, fla_recurrent
 
 if __name__ == "__main__":
     dim = int(sys.argv[1]) if len(sys.argv) > 1 else 128
-    heads = 8
+    heads = int(sys.argv[2]) if len(sys.argv) > 2 else 8
     for t_len in (1, 64, 512):
         x = torch.randn(t_len, heads, dim, device="cuda")
         q = torch.nn.functional.normalize(x, dim=-1) * dim ** -0.5
@@ -20,4 +21,4 @@ if __name__ == "__main__":
             t0 = time.time()
             fn(q, k, x, g, beta, s0)
             torch.cuda.synchronize()
-            print(f"warm {fn.__name__} T={t_len} K={dim}: {time.time() - t0:.1f} s", flush=True)
+            print(f"warm {fn.__name__} T={t_len} H={heads} K={dim}: {time.time() - t0:.1f} s", flush=True)

@@ -100,3 +100,27 @@ def test_gsm8k_units_reuse_the_reference_answers_never_the_candidates(monkeypatc
     assert sum(n for side, n in calls if side == "cand") == 300
     assert all(r.status == "pass" for r in good)
     assert all(r.status == "fail" for r in bad)
+
+
+def test_counted_stack_answers_equal_the_reference_and_its_path_ran(model_and_tok):
+    """gsm8k `stack = "counted"`: batched_decode on (the CPU's counted stack), the same answers
+    bit for bit, with the fast step's rows as the evidence that it ran."""
+    from k3verify.serving.stack import counted_toggles
+    model, tok = model_and_tok
+    prompts = _prompts(3)
+    ref = greedy_generate_fn(model, tok)(prompts, 20, STOP)
+    gen = engine_generate_fn(model, tok, batch=3, stack_toggles=counted_toggles("cpu"))
+    assert gen(prompts, 20, STOP) == ref
+    assert gen.stats["stack"] == ["batched_decode"] and gen.stats["events"].get("fast_decode_rows", 0) > 0
+    plain = engine_generate_fn(model, tok, batch=3)
+    plain(prompts, 20, STOP)
+    assert plain.stats["events"].get("fast_decode_rows", 0) == 0     # the control: off unless asked
+
+
+def test_counted_stack_comparison_fails_on_a_fast_step_fault(model_and_tok):
+    """Negative control: a fault in the batched step's conv rows (a shipped mutant) parts the answers."""
+    model, tok = model_and_tok
+    prompts = _prompts(3)
+    ref = greedy_generate_fn(model, tok)(prompts, 20, STOP)
+    gen = engine_generate_fn(model, tok, batch=3, stack_toggles=("batched_decode", "mut_fast_conv_wrong_row"))
+    assert gen(prompts, 20, STOP) != ref

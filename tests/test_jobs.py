@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from k3verify import cli
+from k3verify import cli, kinds
 from k3verify.errors import UsageError
 from k3verify.suites import shards
 from k3verify.suites import suite as suites
@@ -41,8 +41,36 @@ def test_assignment_keeps_a_scenario_in_one_process_and_balances_by_cost():
     by_group: dict[tuple, set[int]] = {}
     for u in units:
         by_group.setdefault((u.model or "", u.scenario or u.kind), set()).add(got[u.id])
-    assert all(len(s) == 1 for s in by_group.values()), "a scenario's reference is computed in one process"
+    share = sum(kinds.cost_s(u) for u in units) / 2
+    for key, where in by_group.items():
+        cost = sum(kinds.cost_s(u) for u in units if (u.model or "", u.scenario or u.kind) == key)
+        assert len(where) == 1 or cost > share, f"{key}: a scenario's reference is computed in one process"
     assert set(shards.assign(units, 1).values()) == {0}
+
+
+def _needle_units(n: int) -> list:
+    from k3verify.kinds.base import Unit
+    opts = {"toggles": "all-approx", "lengths": [4096, 32768, 108000], "depths": [0.25, 0.75], "seed": 0,
+            "samples": 1, "distractors": 0, "fast": False, "min_recall": None}
+    return [Unit(id=f"{i:03d}-needle-t{i}", check_index=0, check="needle-grid", kind="needle", toggle=f"t{i}",
+                 scenario=None, options=opts) for i in range(n)]
+
+
+def test_a_group_larger_than_a_fair_share_is_split_across_processes():
+    """12 needle units are one (model, kind) group: kept whole they would run serially in one
+    process while five idle. Cut into parts, every process gets two."""
+    units = _needle_units(12)
+    got = shards.assign(units, 6)
+    assert sorted(list(got.values()).count(s) for s in range(6)) == [2] * 6
+    assert got == shards.assign(units, 6)
+    # the control: a group within its share stays in one process
+    small = _needle_units(12) + [u for u in suites.expand(suites.load_suite("premerge"))]
+    got = shards.assign(small, 2)
+    assert len({got[u.id] for u in small if u.kind == "needle"}) == 2          # 12 needles > half
+    premerge = [u for u in small if u.kind != "needle"]
+    groups = {(u.model or "", u.scenario or u.kind) for u in premerge}
+    kept_whole = [k for k in groups if len({got[u.id] for u in premerge if (u.model or "", u.scenario or u.kind) == k}) == 1]
+    assert len(kept_whole) == len(groups), "groups within their share are not cut"
 
 
 @pytest.mark.parametrize("text", ["2/2", "x", "1/0", "-1/3"])
@@ -85,3 +113,32 @@ def test_jobs_and_shard_are_refused_where_they_make_no_sense(tmp_path, capsys):
     assert "--jobs must be an integer in 1..64, got 0" in capsys.readouterr().err
     assert cli.main(["all", "--suite", str(_suite(tmp_path)), "--shard", "0/2"]) == 2
     assert "--shard I/N is a worker of `all --jobs`: it needs --resume RUN_ID" in capsys.readouterr().err
+
+
+def test_a_shard_that_finishes_early_takes_the_others_unstarted_units(tmp_path):
+    """Work stealing: shard 0 alone, its own units done, runs shard 1's too (last first), each
+    once; a unit another process has claimed is left to it. Control: without steal it runs only its own."""
+    from k3verify.suites import run_all
+    from optimized_stack import load_model
+
+    suite = suites.load_suite(_suite(tmp_path))
+    model = load_model(None)
+    plan = run_all.new_plan(suite, None, model, "steal-test", "test")
+    units = run_all.plan_units(plan)
+    mine = shards.assign(units, 2)
+    own = [u for u in units if mine[u.id] == 0]
+    others = [u for u in units if mine[u.id] == 1]
+    assert own and len(others) >= 2
+
+    alone = tmp_path / "alone"
+    _, ran = run_all.execute(plan, model, alone, only=lambda u: mine[u.id] == 0)
+    assert ran == len(own), "control: no steal, only its own units"
+
+    stealing = tmp_path / "stealing"
+    run_all.claim_unit(stealing, others[0])          # another process is running this one
+    _, ran = run_all.execute(plan, model, stealing, only=lambda u: mine[u.id] == 0, steal=True)
+    assert ran == len(units) - 1
+    done = {p.stem for p in (stealing / "checks").glob("*.json")}
+    assert others[0].id not in done and {u.id for u in others[1:]} <= done
+    run_all.clear_claims(stealing)
+    assert run_all.claim_unit(stealing, others[0]), "a cleared claim is claimable again"

@@ -212,6 +212,13 @@ def test_fast_is_chosen_automatically_above_16k_with_a_reason():
     assert fast and "kda_chunked + mla_sdpa" in reason and "108000" in reason
 
 
+def test_fast_is_not_chosen_on_cuda_where_the_reference_is_already_chunked():
+    # on CUDA the reference KDA is fla's chunk kernel on the grid: the CPU's reason does not hold,
+    # and a base of kda_chunked would take kda_chunked out of its own needle verdict
+    assert needle_gate.choose_fast(108000, False, "cuda") == (False, None)
+    assert needle_gate.choose_fast(108000, True, "cuda") == (True, None)     # asked for, still honoured
+
+
 def _oracle(model, tokenizer, prompt, max_new_tokens=needle_gate.NEEDLE_MAX_NEW_TOKENS):
     """Reads the value out of the prompt; loses it whenever the KDA scan is swapped."""
     value = re.search(r"magic numbers for [a-z-]+ is: ([0-9]{7})", prompt).group(1)

@@ -42,7 +42,11 @@ def test_units_past_the_limit_are_inconclusive_and_a_resume_runs_them(tmp_path, 
     out = capsys.readouterr().out
     assert "2 of 2 units run now" in out, out
     assert {r["status"] for r in _rows(run_dir)} >= {"pass"} and not any(r.get("not_run") for r in _rows(run_dir))
-    assert json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))["units_not_run_time_limit"] == 0
+    summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+    assert summary["units_not_run_time_limit"] == 0
+    # timed as its two attempts (0 units, then 2), not from the plan across the gap between them
+    assert [a["units_run"] for a in summary["attempts"]] == [0, 2]
+    assert summary["release_suite_s"] == round(sum(a["seconds"] for a in summary["attempts"]), 1)
 
 
 def test_a_bad_time_limit_is_one_line(tmp_path, capsys):

@@ -135,7 +135,7 @@ def _run_shard(plan: dict, model, run_dir: Path, shard: tuple[int, int], args) -
     i, n = shard
     mine = assign(run_all.plan_units(plan), n)
     _, ran = run_all.execute(plan, model, run_dir, load_options=model_load_options(args),
-                             only=lambda u: mine[u.id] == i, deadline=args.deadline)
+                             only=lambda u: mine[u.id] == i, deadline=args.deadline, steal=True)
     print(f"shard {i}/{n} of {plan['run_id']}: {ran} units run", file=sys.stderr)
     return 0
 
@@ -151,12 +151,13 @@ def _run_jobs(plan: dict, model, run_dir: Path, args) -> int:
     run_all.check_finished(plan, run_dir)             # a foreign checks file: exit 2 before starting anyone
     units = run_all.plan_units(plan)
     mine = assign(units, args.jobs)
+    run_all.clear_claims(run_dir)                     # claims of an earlier attempt: claimable again
     procs = start_workers(plan["run_id"], run_dir, args.jobs, _worker_args(args))
     torch.set_num_threads(threads_per_job(args.jobs))      # the workers' count: one numerics environment
     try:
         with Display([u for u in units if mine[u.id] == 0]) as display:
             _, ran = run_all.execute(plan, model, run_dir, display=display, load_options=model_load_options(args),
-                                     only=lambda u: mine[u.id] == 0, deadline=args.deadline)
+                                     only=lambda u: mine[u.id] == 0, deadline=args.deadline, steal=True)
     except BaseException:
         for _, proc, _ in procs:            # Ctrl-C or a usage error here: the workers stop too (resumable)
             proc.terminate()
@@ -184,6 +185,7 @@ def run(args) -> int:
     from optimized_stack import load_model
 
     command = command_line()
+    started = time.time()
     if args.time_limit is not None:
         if not (args.time_limit > 0 and args.time_limit < 1e7):      # NaN fails both
             raise UsageError(f"--time-limit must be a number of seconds in (0, 1e7), got {args.time_limit}")
@@ -245,6 +247,7 @@ def run(args) -> int:
         patch_rows, patch_line = suite_section(plan, run_dir, args.base,
                                                lambda msg: print(f"    {msg}", file=sys.stderr, flush=True))
         results = results + patch_rows
+    run_all.record_attempt(run_dir, started, time.time(), ran)      # release_suite_s sums the attempts
     report, paths = verdicts.write_combined(plan, model, run_dir, results)
     con.print(verdict_table(report))
     s, nc = report["summary"], report["negative_controls"]

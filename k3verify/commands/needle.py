@@ -104,7 +104,7 @@ def run(args) -> int:
     spec = spec_of(args)
     (unit,) = _check.plan(spec)
     cases = kind.cases(spec.options)                 # a length too short for its needles is refused here
-    fast, auto_reason = choose_fast(max(c.length_tokens for c in cases), args.fast)
+    fast, auto_reason = choose_fast(max(c.length_tokens for c in cases), args.fast, getattr(args, "device", "cpu"))
     if auto_reason:                                  # the gate makes (and records) the same choice
         print(f"note: {auto_reason} (recorded in the report)", file=sys.stderr)
     model = load_model(args.model, **device_load_options(args), **model_load_options(args))

@@ -8,12 +8,16 @@ test at `margin`: pass, fail, or inconclusive when n cannot resolve the margin; 
 score compare. `smoke` marks the results as a smoke test (counts toward no verdict; a fail
 still fails). `batch` > 1 answers that many questions at once through the engine's continuous
 batching (evals/engine_generate.py: the same answers, bit for bit; on a GPU the one-at-a-time
-loop is all host dispatch). One unit per toggle, or one reference unit when the check names none.
+loop is all host dispatch). `stack = "counted"` answers on the engine with the counted exact
+toggles on both sides (batched_decode, and cuda_graphs on CUDA: serving/stack.py): the
+reference's answers bit for bit by their contract, one decode forward per step for every
+question. One unit per toggle, or one reference unit when the check names none.
 """
 from __future__ import annotations
 
 import ipaddress
 import sys
+from collections import Counter
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -25,7 +29,9 @@ from .base import (CheckSpec, Context, OptionError, Unit, check_fraction, check_
 NAME = "gsm8k"
 OPTIONS = {"toggles": None, "dataset": "synth", "limit": 20, "data_dir": None, "base_url": None,
            "model_name": None, "num_fewshot": 5, "fewshot_seed": 1234, "max_new_tokens": 256, "margin": 0.01,
-           "alpha": 0.05, "beta": 0.2, "min_accuracy": None, "smoke": False, "batch": 1}
+           "alpha": 0.05, "beta": 0.2, "min_accuracy": None, "smoke": False, "batch": 1,
+           "stack": "reference"}
+STACKS = ("reference", "counted")
 DATASETS = ("synth", "gsm8k")
 OPENAI_TEST_N = 1319            # openai/gsm8k's test split
 SETUP_S = 10.0                  # lm-eval set-up per side (progress only)
@@ -75,6 +81,10 @@ def validate(o: dict) -> None:
         raise OptionError("data_dir", f"must be a folder with train.jsonl and test.jsonl, got {o['data_dir']}")
     if not isinstance(o["smoke"], bool):
         raise OptionError("smoke", f"must be true or false, got {o['smoke']!r}")
+    if o["stack"] not in STACKS:
+        raise OptionError("stack", f"must be one of {', '.join(STACKS)}, got {o['stack']!r}")
+    if o["stack"] != "reference" and o["base_url"] is not None:
+        raise OptionError("stack", "picks the embedded engine's stack; an endpoint serves its own")
     if o["base_url"] is not None:
         completions_url(o["base_url"])
         if o["toggles"] is not None:
@@ -127,21 +137,30 @@ def run(unit: Unit, ctx: Context) -> list[Result]:
         from k3verify.quality.evals.gsm8k import greedy_generate_fn
         from optimized_stack.tokenizer import load_tokenizer
         tok = load_tokenizer(ctx.model_arg)
-        ref_fn = (engine_generate_fn(ctx.model, tok, batch=o["batch"]) if o["batch"] > 1
-                  else greedy_generate_fn(ctx.model, tok))
+        if o["batch"] > 1 or o["stack"] != "reference":
+            from k3verify.serving.stack import counted_toggles
+            stack = counted_toggles(ctx.device) if o["stack"] == "counted" else ()
+            ref_fn = engine_generate_fn(ctx.model, tok, batch=o["batch"], stack_toggles=stack)
+        else:
+            ref_fn = greedy_generate_fn(ctx.model, tok)
+
+    fired: Counter = Counter()                   # the engine's path events over this unit's calls
 
     def counted(prompts, *a, **kw):              # one progress item per question answered, either side
         out = ref_fn(prompts, *a, **kw)
+        fired.update(getattr(ref_fn, "stats", {}).get("events", {}))
         ctx.progress.advance(len(prompts))
         return out
     cand_fn = toggled(counted, [unit.toggle]) if unit.toggle else None
-    reference = counted if endpoint else remembered(counted, ctx.reference_answers, (NAME, id(ctx.model), o["batch"]))
+    reference = counted if endpoint else remembered(counted, ctx.reference_answers,
+                                                          (NAME, id(ctx.model), o["batch"], o["stack"]))
     gate = gsm8k_gate(reference, cand_fn, toggle=unit.toggle, margin=o["margin"], alpha=o["alpha"], beta=o["beta"],
                       min_accuracy=o["min_accuracy"], smoke=o["smoke"], progress=ctx.progress.note,
                       dataset=o["dataset"], data_dir=o["data_dir"], limit=o["limit"], num_fewshot=o["num_fewshot"],
                       seed=o["fewshot_seed"], max_new_tokens=o["max_new_tokens"], batch_size=max(8, o["batch"]))
+    engine = {} if endpoint else {"engine": {"stack": o["stack"], "batch": o["batch"], "events": dict(fired)}}
     for r in gate.results:
-        r.tag(gate=NAME, **({"endpoint": endpoint} if endpoint else {}))
+        r.tag(gate=NAME, **({"endpoint": endpoint} if endpoint else engine))
     return gate.results
 
 

@@ -24,11 +24,16 @@ NEEDLE_MAX_NEW_TOKENS = 12  # a 7-digit value plus a little slack after the answ
 PREFILL_CHUNK_TOKENS = 512
 
 
-def choose_fast(max_length_tokens: int, fast: bool) -> tuple[bool, str | None]:
-    """(use the fast pair, the reason when it was chosen automatically)."""
+def choose_fast(max_length_tokens: int, fast: bool, device: str = "cpu") -> tuple[bool, str | None]:
+    """(use the fast pair, the reason when it was chosen automatically).
+
+    Only on the CPU: on CUDA the reference already runs KDA through fla's chunked kernel on the
+    64-token grid and MLA through its fixed-split kernel (design.md, "One reference per device"),
+    so swapping in kda_chunked (a Python loop over 64-token chunks) would make both sides slower
+    and take kda_chunked and mla_sdpa out of their own needle verdicts."""
     if fast:
         return True, None
-    if max_length_tokens > AUTO_FAST_ABOVE_TOKENS:
+    if device == "cpu" and max_length_tokens > AUTO_FAST_ABOVE_TOKENS:
         return True, (f"lengths above {AUTO_FAST_ABOVE_TOKENS} tokens ({max_length_tokens}) run with "
                       f"{' + '.join(FAST_TOGGLES)}: the reference MLA attention (blocked python loop) and "
                       f"recurrent KDA are impractical that long on a CPU")
@@ -109,7 +114,8 @@ def needle_gate(model, tokenizer, cases: Sequence, *, toggle: str | None = None,
     if min_recall is not None and not 0.0 <= min_recall <= 1.0:
         raise K3Error(f"min_recall is a fraction in [0, 1], got {min_recall}")
     subject = Subject.of_optional(toggle)
-    fast, auto_reason = choose_fast(max(c.length_tokens for c in cases), fast)
+    device = next(model.parameters()).device.type if hasattr(model, "parameters") else "cpu"
+    fast, auto_reason = choose_fast(max(c.length_tokens for c in cases), fast, device)
     base = list(FAST_TOGGLES) if fast else []
     choices = [{"choice": f"toggles {'+'.join(FAST_TOGGLES)} on both sides", "reason": auto_reason}] \
         if auto_reason else []

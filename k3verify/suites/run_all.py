@@ -23,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
+import shutil
 import time
 import traceback
 from datetime import datetime, timezone
@@ -192,9 +194,12 @@ def out_of_time(unit: Unit, time_limit_s: float | None) -> list[dict]:
 def execute(plan: dict, model, run_dir: Path, *, display=None, load_options: dict | None = None,
             after_unit: Callable[[Unit], None] | None = None,
             only: Callable[[Unit], bool] | None = None, deadline: float | None = None,
-            time_limit_s: float | None = None) -> tuple[list[dict], int]:
+            time_limit_s: float | None = None, steal: bool = False) -> tuple[list[dict], int]:
     """Run the plan's unfinished units; returns (all results in plan order, units run now). With
-    `only` (a shard of `all --jobs`), units it rejects are neither run nor reported. Past
+    `only` (a shard of `all --jobs`), units it rejects are neither run nor reported; with `steal`
+    too, a shard that has finished its own units then takes the others' unstarted ones, last
+    first, each claimed once (claim_unit): the cost priors that split the plan are CPU seconds,
+    and a shard that drew the short units should not idle while another has an hour left. Past
     `deadline` (time.time() seconds) no unit starts: each left is an out_of_time row."""
     write_plan(plan, run_dir)
     expect = provenance(plan)
@@ -208,16 +213,24 @@ def execute(plan: dict, model, run_dir: Path, *, display=None, load_options: dic
         contexts = {name: stack.enter_context(Context(m, model_arg=name, run_dir=run_dir, progress=display,
                                                       load_options=load_options))
                     for name, m in load_check_models(plan, load_options, only).items()}
-        for unit in plan_units(plan):
-            if only is not None and not only(unit):
-                continue
+        units = plan_units(plan)
+        if only is not None:
+            mine = [u for u in units if only(u)]
+            units = mine + ([u for u in reversed(units) if not only(u)] if steal else [])
+        for unit in units:
             rows = finished(run_dir, unit, expect)
+            if rows is None and only is not None and steal and not claim_unit(run_dir, unit):
+                continue                     # another shard has it
             if rows is None and deadline is not None and time.time() >= deadline:
                 rows = out_of_time(unit, time_limit_s)
             elif rows is None:
                 if display:
                     display.start(unit)
                 t0 = time.perf_counter()
+                if unit.model and unit.model != plan["model"] and unit.model not in contexts:   # stolen
+                    (m,) = load_check_models(plan, load_options, lambda u, name=unit.model: u.model == name).values()
+                    contexts[unit.model] = stack.enter_context(Context(m, model_arg=unit.model, run_dir=run_dir,
+                                                                       progress=display, load_options=load_options))
                 uctx = contexts.get(unit.model, ctx) if unit.model else ctx
                 tags = {"unit": unit.id, "suite_check": unit.check, **({"model": unit.model} if unit.model else {})}
                 rows = [r.tag(**tags).to_dict() for r in run_unit(unit, uctx)]
@@ -245,3 +258,49 @@ def _gate_report(plan: dict, run_dir: Path, unit: Unit, rows: list[dict]) -> Non
     for r in rows:
         r["gate_report"] = rel
     write_report(out, build_report(f"{plan['run_id']}-{unit.id}", f"{plan['command']}  # unit {unit.id}", {}, rows))
+
+
+CLAIMS_DIR = "claims"
+
+
+def claim_unit(run_dir: Path, unit: Unit) -> bool:
+    """True for the one process of an `all --jobs` attempt that creates claims/<unit id> (the
+    file system's O_EXCL is the lock); the parent empties claims/ before it starts the workers,
+    so a unit claimed by an attempt that died is claimable again."""
+    folder = Path(run_dir) / CLAIMS_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        os.close(os.open(folder / unit.id, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
+def clear_claims(run_dir: Path) -> None:
+    shutil.rmtree(Path(run_dir) / CLAIMS_DIR, ignore_errors=True)
+
+
+ATTEMPTS_FILE = "attempts.json"
+
+
+def record_attempt(run_dir: Path, started: float, ended: float, units_run: int) -> None:
+    """Append one attempt (this process's wall, from start to before the report) to the run's
+    attempts.json: a run resumed on a second machine (`--resume` after a time limit, or after a
+    device call ended) is timed as the sum of its attempts, not as the gap from its plan."""
+    path = Path(run_dir) / ATTEMPTS_FILE
+    attempts = read_attempts(run_dir)
+    attempts.append({"started": datetime.fromtimestamp(started, timezone.utc).isoformat(timespec="seconds"),
+                     "seconds": round(ended - started, 1), "units_run": units_run})
+    atomic_write_json(path, attempts)
+
+
+def read_attempts(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / ATTEMPTS_FILE
+    if not path.is_file():
+        return []
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    return [a for a in data if isinstance(a, dict) and isinstance(a.get("seconds"), (int, float))] \
+        if isinstance(data, list) else []

@@ -13,6 +13,7 @@ groups go largest first to the least loaded shard by the kinds' cost priors (LPT
 """
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -36,10 +37,24 @@ def parse_shard(text: str) -> tuple[int, int]:
 
 def assign(units: list[Unit], n: int) -> dict[str, int]:
     """unit id -> shard in [0, n): (model, scenario) groups, largest prior cost first, each to the
-    least loaded shard (ties to the lowest index)."""
+    least loaded shard (ties to the lowest index).
+
+    A group that alone costs more than a fair share (total / n) is cut into that many parts, each
+    its own group: a quality gate's units (one per toggle, one group: the kind is their scenario)
+    would otherwise run one after another in one process while the others idle (measured on the
+    H200: 12 needle units, ~150 s each, in one shard). Each part pays for its own reference."""
     groups: dict[tuple, list[Unit]] = {}
     for u in units:
         groups.setdefault((u.model or "", u.scenario or u.kind), []).append(u)
+    share = sum(kinds.cost_s(u) for u in units) / n
+    for key in sorted(groups):
+        members = groups[key]
+        cost = sum(kinds.cost_s(u) for u in members)
+        parts = min(len(members), math.ceil(cost / share)) if share > 0 else 1
+        if parts > 1:
+            del groups[key]
+            for p in range(parts):   # round-robin in plan order: parts of near-equal cost
+                groups[(*key, p)] = members[p::parts]
     load = [0.0] * n
     out: dict[str, int] = {}
     for key in sorted(groups, key=lambda k: (-sum(kinds.cost_s(u) for u in groups[k]), k)):

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from k3verify.io import ReadError, read_json
+from k3verify.suites.run_all import read_attempts
 
 SUMMARY_FORMAT = "k3verify.all-summary"
 SUMMARY_VERSION = 1
@@ -62,11 +63,15 @@ def build_summary(plan: dict, report: dict, run_dir: Path) -> dict[str, Any]:
             m["total"] += 1
             m["caught"] += r["caught"] is True
     not_run = sum(1 for r in results if r.get("not_run") == "time_limit")
-    try:
-        created = datetime.fromisoformat(plan["created"])
-        wall = round((datetime.now(timezone.utc) - created).total_seconds(), 1)
-    except (KeyError, TypeError, ValueError):
-        wall = None
+    attempts = read_attempts(run_dir)
+    if attempts:                     # each attempt's own wall: a resumed run is not timed across the gap
+        wall = round(sum(a["seconds"] for a in attempts), 1)
+    else:
+        try:
+            created = datetime.fromisoformat(plan["created"])
+            wall = round((datetime.now(timezone.utc) - created).total_seconds(), 1)
+        except (KeyError, TypeError, ValueError):
+            wall = None
     nc = report.get("negative_controls") or {}
     env = report.get("environment") or {}
     return {"format": SUMMARY_FORMAT, "version": SUMMARY_VERSION, "run_id": report["run_id"],
@@ -74,7 +79,7 @@ def build_summary(plan: dict, report: dict, run_dir: Path) -> dict[str, Any]:
             "device": plan.get("device", "cpu"), "dtype": plan.get("dtype", "float32"),
             "cuda_device": (env.get("cuda") or {}).get("device") if isinstance(env.get("cuda"), dict) else None,
             "models": sorted({plan.get("model") or "embedded", *(u["model"] for u in plan["units"] if u.get("model"))}),
-            "release_suite_s": wall, "units_not_run_time_limit": not_run,
+            "release_suite_s": wall, "attempts": attempts, "units_not_run_time_limit": not_run,
             "suite_s": round(sum(per_kind.values()), 2), "seconds_per_kind": per_kind,
             "exact_verdicts": exact, "approx_verdicts": approx, "mutants": mutants,
             "localisation": {k: nc.get(k) for k in ("localised", "localisable", "localisation_accuracy", "mislocalised")},

@@ -8,6 +8,12 @@ engine.py), so the batched answers are the one-at-a-time answers bit for bit
 Op-slot toggles apply inside it as they do on the sequential path, since the engine runs the
 model's ops.
 
+`stack_toggles` runs the engine with exact engine toggles on (the counted stack: batched_decode,
+and cuda_graphs on CUDA): their contract is bit-identity with the reference, which the same
+suite judges, so the answers stay the reference's while the decode is one forward per step
+for every running request instead of one per request. `stats["events"]` counts the engine's
+path events (fast_decode_rows, graph_replay), the evidence that the stack ran.
+
 A request stops on eos, on max_new_tokens, or as soon as its decoded text holds a stop
 string (Engine.abort_request between steps, as a server does), so no question decodes past
 its answer.
@@ -22,12 +28,13 @@ from k3verify.quality.evals.lm_eval_model import GenerateFn, truncate_at_stop
 
 
 def engine_generate_fn(model, tokenizer, *, batch: int, add_bos: bool = False,
-                       token_budget: int | None = None) -> GenerateFn:
+                       token_budget: int | None = None, stack_toggles: Sequence[str] = ()) -> GenerateFn:
     """Greedy answers for a list of prompts, `batch` requests running at once.
 
     token_budget: tokens per engine step (prefill chunks + decodes); default batch + 2048, so a
     step can decode every running request and prefill the next prompts' chunks.
     """
+    from optimized_stack import toggles as registry
     from optimized_stack.engine.engine import Engine
     from optimized_stack.engine.options import EngineOptions, SamplingParams
 
@@ -44,9 +51,13 @@ def engine_generate_fn(model, tokenizer, *, batch: int, add_bos: bool = False,
         # an MLA pool that holds the `batch` longest requests whole: a smaller one would preempt
         # and recompute (exact, but the time the batching was for)
         longest = sorted((len(ids) + max_new_tokens for ids in encoded), reverse=True)[:batch]
-        opts = EngineOptions(continuous_batching=True, max_num_seqs=batch, token_budget=budget,
-                             device_cache_tokens=sum(longest) + 64 * len(longest))
-        engine = Engine(model, opts)
+        with registry.applied(list(stack_toggles)) as applied:
+            sized = {"continuous_batching": True, "max_num_seqs": batch, "token_budget": budget,
+                     "device_cache_tokens": sum(longest) + 64 * len(longest)}
+            opts = EngineOptions.from_dict({**applied.engine, **sized})
+            return _run(Engine(model, opts), encoded, max_new_tokens, stop)
+
+    def _run(engine, encoded, max_new_tokens: int, stop: list[str]) -> list[str]:
         params = SamplingParams(max_new_tokens=max_new_tokens, stop_ids=(tokenizer.eos_id,))
         rids = [engine.add_request(ids, params) for ids in encoded]
         generated: dict[str, list[int]] = {rid: [] for rid in rids}
@@ -65,7 +76,8 @@ def engine_generate_fn(model, tokenizer, *, batch: int, add_bos: bool = False,
                     if not out.finished and stops and any(s in text_of(toks) for s in stops):
                         engine.abort_request(out.request_id)
         # evidence that the prompts were batched: the engine steps and the most requests one step ran
-        generate.stats = {"prompts": len(prompts), "steps": steps, "most_running": most_running}
+        generate.stats = {"prompts": len(encoded), "steps": steps, "most_running": most_running,
+                          "stack": list(stack_toggles), "events": dict(engine.events)}
         return [truncate_at_stop(text_of(generated[rid]), stop) for rid in rids]
 
     generate.stats = {}

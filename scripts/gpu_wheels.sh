@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Fill .whl/ (gitignored) with the wheels a GPU run carries: the device image has torch, triton,
+# transformers, pandas, pyarrow, scikit-learn and sacrebleu, but no fla-core and no lm-eval.
+# Run here (the registry is reachable), then pass carry=[".whl"] to the device; scripts/gpu_env.sh
+# installs them with --no-deps. Pinned to what the CPU venv runs, for the device's Python 3.12.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p .whl
+PY=${DEVICE_PYTHON:-3.12}
+pip_download() {
+  "${PIP:-.venv/bin/pip}" download -q --no-deps --only-binary=:all: --python-version "$PY" \
+    --implementation cp --platform manylinux2014_x86_64 --platform any -d .whl "$@"
+}
+pip_download fla-core==0.6.0
+# lm-eval's gsm8k path imports these and nothing else the image lacks (measured: sys.modules after a run)
+pip_download lm_eval==0.4.13 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
+  more-itertools==11.2.1 evaluate==0.4.6 pytz==2026.6
+# sdist-only and pure Python: build the wheel here
+"${PIP:-.venv/bin/pip}" wheel -q --no-deps -w .whl word2number==1.1 sqlitedict==2.1.0
+du -sh .whl
+ls .whl
