@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fill .whl/ (gitignored) with the wheels a GPU run carries: the device image has torch, triton,
-# transformers, pandas, pyarrow, scikit-learn and sacrebleu, but no fla-core and no lm-eval.
+# transformers, pandas, pyarrow, scikit-learn and sacrebleu, but no fla-core, lm-eval or fastapi.
 # Run here (the registry is reachable), then pass carry=[".whl"] to the device; scripts/gpu_env.sh
 # installs them with --no-deps. Pinned to what the CPU venv runs, for the device's Python 3.12.
 set -euo pipefail
@@ -15,6 +15,10 @@ pip_download fla-core==0.6.0
 # lm-eval's gsm8k path imports these and nothing else the image lacks (measured: sys.modules after a run)
 pip_download lm_eval==0.4.13 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
   more-itertools==11.2.1 evaluate==0.4.6 pytz==2026.6
+# the served stack (`k3verify serve`, the KVV check): the image has anyio, click and h11 but no
+# fastapi/uvicorn (the first release run's KVV unit: "No module named 'fastapi'")
+pip_download fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic_core==2.50.5 uvicorn==0.54.0 \
+  annotated-types==0.8.0 typing-inspection==0.4.5
 # sdist-only and pure Python: build the wheel here
 "${PIP:-.venv/bin/pip}" wheel -q --no-deps -w .whl word2number==1.1 sqlitedict==2.1.0
 du -sh .whl

@@ -67,3 +67,24 @@ def test_release_on_cuda_is_the_gpu_form_and_cpu_keeps_its_own():
     assert suites.load_suite("release", "cuda").sha256 != suites.load_suite("release").sha256
     models = {c.model for c in suites.load_suite("release", "cuda").checks}
     assert {"k3-small", "golden/k3-dims"} <= models, "the GPU gate judges at K3's head dims"
+
+
+def test_an_attempt_killed_mid_run_is_timed_to_its_last_finished_unit(tmp_path):
+    """A device call's hard timeout kills `all` before it records its end: the attempt is on file
+    from its start and is timed to the last unit it finished (a lower bound, marked estimated).
+    Control: a completed attempt keeps its measured seconds."""
+    import time
+    from datetime import datetime, timedelta, timezone
+    from k3verify.suites import run_all
+
+    run = tmp_path / "run"
+    (run / "checks").mkdir(parents=True)
+    t0 = time.time() - 100
+    run_all.record_attempt(run, t0, None)                       # killed: never completed
+    done = datetime.fromtimestamp(t0, timezone.utc) + timedelta(seconds=42)
+    (run / "checks" / "u1.json").write_text(json.dumps({"finished": done.isoformat()}), encoding="utf-8")
+    run_all.record_attempt(run, t0 + 60, None)
+    run_all.record_attempt(run, t0 + 60, t0 + 65, 0)            # the resume that wrote the report
+    got = run_all.attempt_seconds(run)
+    assert [a["seconds"] for a in got] == [42.0, 5.0]
+    assert got[0]["estimated"] and "estimated" not in got[1]

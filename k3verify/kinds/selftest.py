@@ -62,7 +62,17 @@ def run(unit: Unit, ctx: Context) -> list[Result]:
     if ctx.device not in toggle.devices:
         return [Result.skipped(subject, NAME, f"runs on {', '.join(toggle.devices)}, not {ctx.device}")]
     world = 1 if 1 in toggle.world_sizes else min(toggle.world_sizes)
-    runner = ctx.runner(world)
+    if world > 1 and ctx.device == "cuda":
+        # CUDA ranks are one GPU each over nccl; gloo's ranks are CPU processes, which the bf16
+        # CUDA model is not (the H200 release run errored there instead of saying so)
+        import torch
+        if torch.cuda.device_count() < world:
+            return [Result.skipped(subject, NAME, f"tensor parallel at world size {world} on CUDA needs {world} "
+                                                  f"GPUs for nccl, found {torch.cuda.device_count()}; the CPU "
+                                                  f"suite judges it over gloo")]
+        runner = ctx.runner(world, "nccl")
+    else:
+        runner = ctx.runner(world)
     sc = build(unit.scenario, scale=unit.options["scale"])
     results = check_toggle(ctx.model, toggle.name, sc, runner=runner)
     if results and all(r.status == "skip" for r in results):     # e.g. not exact on this device: say so

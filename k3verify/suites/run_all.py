@@ -283,15 +283,44 @@ def clear_claims(run_dir: Path) -> None:
 ATTEMPTS_FILE = "attempts.json"
 
 
-def record_attempt(run_dir: Path, started: float, ended: float, units_run: int) -> None:
-    """Append one attempt (this process's wall, from start to before the report) to the run's
-    attempts.json: a run resumed on a second machine (`--resume` after a time limit, or after a
-    device call ended) is timed as the sum of its attempts, not as the gap from its plan."""
+def record_attempt(run_dir: Path, started: float, ended: float | None, units_run: int | None = None) -> None:
+    """Record one attempt of the run in attempts.json: called with ended=None when the attempt
+    starts (so an attempt killed mid-unit, as a device call's hard timeout does, is still on file)
+    and again with its end, which completes that entry. A run resumed on a second machine is
+    timed as the sum of its attempts, not as the gap from its plan."""
     path = Path(run_dir) / ATTEMPTS_FILE
     attempts = read_attempts(run_dir)
-    attempts.append({"started": datetime.fromtimestamp(started, timezone.utc).isoformat(timespec="seconds"),
-                     "seconds": round(ended - started, 1), "units_run": units_run})
+    stamp = datetime.fromtimestamp(started, timezone.utc).isoformat(timespec="milliseconds")
+    entry = {"started": stamp, "seconds": None if ended is None else round(ended - started, 1), "units_run": units_run}
+    same = [i for i, a in enumerate(attempts) if a.get("started") == stamp]
+    if same:
+        attempts[same[-1]] = entry
+    else:
+        attempts.append(entry)
     atomic_write_json(path, attempts)
+
+
+def attempt_seconds(run_dir: Path) -> list[dict]:
+    """Each attempt with its seconds; an attempt that never recorded its end (killed) is timed to
+    the last unit it finished (`estimated`: a lower bound)."""
+    attempts = read_attempts(run_dir)
+    finished = []
+    for f in (Path(run_dir) / "checks").glob("*.json"):
+        try:
+            finished.append(datetime.fromisoformat(read_json(f)["finished"]))
+        except (ReadError, OSError, ValueError, KeyError, TypeError):
+            continue
+    out = []
+    for i, a in enumerate(attempts):
+        a = dict(a)
+        if a.get("seconds") is None:
+            start = datetime.fromisoformat(a["started"])
+            end = datetime.fromisoformat(attempts[i + 1]["started"]) if i + 1 < len(attempts) else None
+            mine = [t for t in finished if t >= start and (end is None or t < end)]
+            a["seconds"] = round((max(mine) - start).total_seconds(), 1) if mine else 0.0
+            a["estimated"] = True
+        out.append(a)
+    return out
 
 
 def read_attempts(run_dir: Path) -> list[dict]:
@@ -302,5 +331,5 @@ def read_attempts(run_dir: Path) -> list[dict]:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return []
-    return [a for a in data if isinstance(a, dict) and isinstance(a.get("seconds"), (int, float))] \
+    return [a for a in data if isinstance(a, dict) and isinstance(a.get("started"), str)] \
         if isinstance(data, list) else []

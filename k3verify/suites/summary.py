@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from k3verify.io import ReadError, read_json
-from k3verify.suites.run_all import read_attempts
+from k3verify.suites.run_all import attempt_seconds
 
 SUMMARY_FORMAT = "k3verify.all-summary"
 SUMMARY_VERSION = 1
@@ -63,7 +63,7 @@ def build_summary(plan: dict, report: dict, run_dir: Path) -> dict[str, Any]:
             m["total"] += 1
             m["caught"] += r["caught"] is True
     not_run = sum(1 for r in results if r.get("not_run") == "time_limit")
-    attempts = read_attempts(run_dir)
+    attempts = attempt_seconds(run_dir)
     if attempts:                     # each attempt's own wall: a resumed run is not timed across the gap
         wall = round(sum(a["seconds"] for a in attempts), 1)
     else:

@@ -84,8 +84,10 @@ def _recurrent_bf16_state(q, k, v, g, beta, initial_state=None):
 def _recurrent_decay_after_delta(q, k, v, g, beta, initial_state=None):
     """Fault: the decay is applied after the delta-rule write instead of before it."""
     h, kd = q.shape[1], q.shape[2]
-    state = (torch.zeros(h, kd, v.shape[-1]) if initial_state is None else initial_state.float().clone())
-    out = torch.empty(q.shape[0], h, v.shape[-1])
+    # on the inputs' device: the H200 release run errored here (a CPU state beside CUDA inputs)
+    state = (torch.zeros(h, kd, v.shape[-1], device=q.device) if initial_state is None
+             else initial_state.float().clone())
+    out = torch.empty(q.shape[0], h, v.shape[-1], device=q.device)
     decay = ops.exp(g.float())
     for t in range(q.shape[0]):
         kv = (state * k[t].unsqueeze(-1)).sum(1)
