@@ -233,9 +233,8 @@ def run(args) -> int:
         resolve_base(checkout_root(None), args.base)
     if shard is not None:                   # a worker: its units only, no report
         return _run_shard(plan, model, run_dir, shard, args)
-    if shard is None:                       # on file even if this attempt is killed mid-unit
-        run_all.write_plan(plan, run_dir)
-        run_all.record_attempt(run_dir, started, None)
+    run_all.write_plan(plan, run_dir)       # the attempt is on file even if it is killed mid-unit
+    run_all.record_attempt(run_dir, started, None)
     ran_first = 0
     if args.jobs > 1:
         ran_first = _run_jobs(plan, model, run_dir, args)

@@ -208,11 +208,11 @@ def execute(plan: dict, model, run_dir: Path, *, display=None, load_options: dic
     ran = 0
     # one Context per model: the run's, and each that a check names for itself
     with contextlib.ExitStack() as stack:
-        ctx = stack.enter_context(Context(model, model_arg=plan["model"], run_dir=run_dir, progress=display,
-                                          load_options=load_options))
-        contexts = {name: stack.enter_context(Context(m, model_arg=name, run_dir=run_dir, progress=display,
-                                                      load_options=load_options))
-                    for name, m in load_check_models(plan, load_options, only).items()}
+        def context(m, name):
+            return stack.enter_context(Context(m, model_arg=name, run_dir=run_dir, progress=display,
+                                               load_options=load_options))
+        ctx = context(model, plan["model"])
+        contexts = {name: context(m, name) for name, m in load_check_models(plan, load_options, only).items()}
         units = plan_units(plan)
         if only is not None:
             mine = [u for u in units if only(u)]
@@ -229,8 +229,7 @@ def execute(plan: dict, model, run_dir: Path, *, display=None, load_options: dic
                 t0 = time.perf_counter()
                 if unit.model and unit.model != plan["model"] and unit.model not in contexts:   # stolen
                     (m,) = load_check_models(plan, load_options, lambda u, name=unit.model: u.model == name).values()
-                    contexts[unit.model] = stack.enter_context(Context(m, model_arg=unit.model, run_dir=run_dir,
-                                                                       progress=display, load_options=load_options))
+                    contexts[unit.model] = context(m, unit.model)
                 uctx = contexts.get(unit.model, ctx) if unit.model else ctx
                 tags = {"unit": unit.id, "suite_check": unit.check, **({"model": unit.model} if unit.model else {})}
                 rows = [r.tag(**tags).to_dict() for r in run_unit(unit, uctx)]
@@ -328,8 +327,8 @@ def read_attempts(run_dir: Path) -> list[dict]:
     if not path.is_file():
         return []
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        data = read_json(path)
+    except (ReadError, OSError, ValueError):
         return []
     return [a for a in data if isinstance(a, dict) and isinstance(a.get("started"), str)] \
         if isinstance(data, list) else []
