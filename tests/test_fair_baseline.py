@@ -301,3 +301,26 @@ def test_the_peer_runs_the_transformers_fixture_checkpoint():
         peer.arm("static_compiled")
     with pytest.raises(ValueError, match="unknown transformers arm 'fast'"):
         peer.arm("fast")
+
+
+def test_every_finished_cell_is_checkpointed_before_a_later_one_dies():
+    """The first H200 call of this bench hit its hard timeout in its third batch and kept nothing:
+    each finished cell now reaches `checkpoint` before the next starts."""
+    subj, _ = fake_subjects()
+    seen: list[dict] = []
+    calls = {"n": 0}
+
+    def dies_on_the_second_batch(batch, steps):
+        if batch == 1 and steps > 2:              # B=4 (headline) runs first, then B=1 dies
+            calls["n"] += 1
+            raise TimeoutError("the call's hard limit")
+        return subj.engine_decode(batch, steps)
+    dying = Subjects(dies_on_the_second_batch, subj.arms, subj.masked_arm, {}, subj.engine_prefill, subj.peer_prefill)
+    with pytest.raises(TimeoutError):
+        run_fair_baseline(dying, CFG, checkpoint=lambda doc: seen.append(json.loads(json.dumps(doc, default=str))))
+    assert calls["n"] == 1 and len(seen) == 1, "one checkpoint: the headline batch, before B=1 died"
+    assert set(seen[0]["decode"]) == {"4"} and seen[0]["decode"]["4"]["engine"]["median"] > 0
+    # the control: a run that finishes checkpoints once per decode batch and prefill length
+    done: list[dict] = []
+    run_fair_baseline(fake_subjects()[0], CFG, checkpoint=lambda doc: done.append(dict(doc)))
+    assert len(done) == len(CFG.batches) + len(CFG.prefill)

@@ -220,10 +220,16 @@ def measure_decode(subj: Subjects, cfg: FairConfig, batch: int, rec: Recorder, d
     cell["best_arm"] = best
     if best:
         cell["ratio"] = cell["arms"][best]["ratio"]
-    arms_line = ", ".join(f"{a} {d['median']:.1f} (x-check {d['difference']['median']:.1f})"
+    # the intervals and ratios in the log too: a call that dies later still leaves the figures
+    arms_line = ", ".join(f"{a} {d['median']:.1f} {_ci(d['ci95'])} (x-check {d['difference']['median']:.1f}; "
+                          f"engine/arm {d['ratio']['engine_over_arm']:.2f}x {_ci(d['ratio']['ci95'], 2)})"
                           for a, d in cell["arms"].items())
-    log(f"decode B={batch}: engine {cell['engine']['median']:.1f} tok/s; {arms_line}")
+    log(f"decode B={batch}: engine {cell['engine']['median']:.1f} tok/s {_ci(cell['engine']['ci95'])}; {arms_line}")
     return cell
+
+
+def _ci(pair, digits: int = 1) -> str:
+    return f"[{pair[0]:.{digits}f}, {pair[1]:.{digits}f}]" if pair and None not in pair else "[-]"
 
 
 def measure_prefill(subj: Subjects, cfg: FairConfig, tokens: int, rec: Recorder) -> dict[str, Any]:
@@ -263,9 +269,12 @@ def prewarm(subj: Subjects, cfg: FairConfig, rec: Recorder, log: Callable[[str],
     return Subjects(subj.engine_decode, arms, subj.masked_arm, rejected, subj.engine_prefill, subj.peer_prefill)
 
 
-def run_fair_baseline(subj: Subjects, cfg: FairConfig, log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+def run_fair_baseline(subj: Subjects, cfg: FairConfig, log: Callable[[str], None] = lambda m: None,
+                      checkpoint: Callable[[dict[str, Any]], None] = lambda doc: None) -> dict[str, Any]:
     """Decode at every batch (the headline batch first, so a spent budget costs the others), then
-    prefill at every length. Returns the whole record; `summary_fields` reads it."""
+    prefill at every length. Returns the whole record; `summary_fields` reads it. `checkpoint`
+    gets the record so far after every cell: a device call's hard timeout then keeps the cells
+    measured before it (the first H200 run of this bench lost all of them, 2026-12-02)."""
     if not subj.arms:
         raise ValueError(f"no peer arm to measure (rejected: {subj.rejected or 'none given'})")
     rec = Recorder()
@@ -279,10 +288,12 @@ def run_fair_baseline(subj: Subjects, cfg: FairConfig, log: Callable[[str], None
         # each batch may spend its share of what is left, so the last ones still get measured
         share = (deadline - time.monotonic()) / (len(batches) - i)
         doc["decode"][str(b)] = measure_decode(subj, cfg, b, rec, time.monotonic() + share, log)
+        checkpoint(doc)
     for t in cfg.prefill:
         doc["prefill"][str(t)] = measure_prefill(subj, cfg, t, rec)
-        log(f"prefill {t}: " + ", ".join(f"{s} {d['median']:.0f} tok/s" for s, d in doc["prefill"][str(t)].items()
-                                         if isinstance(d, dict)))
+        log(f"prefill {t}: " + ", ".join(f"{s} {d['median']:.0f} tok/s {_ci(d['ci95'], 0)}"
+                                         for s, d in doc["prefill"][str(t)].items() if isinstance(d, dict)))
+        checkpoint(doc)
     doc["warm_passes"] = rec.warm_passes
     doc["timeline"] = rec.timeline
     doc["cross_check_ok"] = all(a["cross_check"]["agree"] for c in doc["decode"].values() for a in c["arms"].values())

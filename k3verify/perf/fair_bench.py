@@ -189,7 +189,11 @@ def run(args: argparse.Namespace) -> int:
                             engine_prefill, peer.prefill)
         budget = args.budget_s - (time.monotonic() - t_start)
         cfg = FairConfig(**{**cfg_probe.__dict__, "budget_s": max(budget, 0.0)})
-        fair = run_fair_baseline(subjects, cfg, log)
+        def checkpoint(partial: dict[str, Any]) -> None:
+            atomic_write_text(out_dir / "fair_baseline.partial.json",
+                              json.dumps({"model": args.model, "dtype": args.dtype, "device": device,
+                                          "engine_row": row, "complete": False, "fair": partial}, indent=1, default=str))
+        fair = run_fair_baseline(subjects, cfg, log, checkpoint)
     doc: dict[str, Any] = {"model": args.model, "dtype": args.dtype, "device": device, "context": args.context,
                            "engine_row": row, "engine_toggles": list(row_names), "contracts": contracts,
                            "peer": {**peer.info, "evidence": peer.evidence}, "fair": fair,
