@@ -13,14 +13,15 @@ Per (workload, batch size B = max_num_seqs): one plain run (no speculation), the
 drafter with ReplaySSM rollback and k drafts. Columns: acceptance length (tokens emitted per
 verification: accepted drafts + the bonus, SpecStats.acceptance_length), drafts accepted per
 verification, tokens/step (generated tokens per engine step), wall seconds and the speedup over
-the plain run (one run each: on the CPU a rough figure; the GPU run repeats it interleaved if it
-wants an interval). Prints a table, then one line of JSON.
+the plain run (median wall of --repeats rounds in alternating order, after one untimed run of
+every arm with --warm; one cold run each by default, a rough CPU figure). Prints a table, then one line of JSON.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import random
+import statistics
 import sys
 import time
 
@@ -77,17 +78,33 @@ def run_once(model, prompts: list[list[int]], max_new: int, batch: int, drafter:
 
 
 def bench(model, workload: str, prompts: list[list[int]], max_new: int, batches: list[int],
-          drafters: list[str], k: int, drafter_checkpoint: str | None = None) -> list[dict]:
+          drafters: list[str], k: int, drafter_checkpoint: str | None = None, repeats: int = 1,
+          warm: bool = False) -> list[dict]:
+    """Per batch size: the plain run and one run per drafter, `repeats` rounds in alternating
+    order, the median wall each. `warm` first runs every arm once untimed: on a GPU the first
+    run of a process pays for kernel compiles and allocator growth, which read as a speedup of
+    whatever runs second."""
     rows = []
     for b in batches:
-        plain = run_once(model, prompts, max_new, b, None, k)
-        rows.append({**plain, "workload": workload, "batch": b, "speedup": 1.0, "exact": True})
-        for d in drafters:
-            r = run_once(model, prompts, max_new, b, d, k, drafter_checkpoint)
-            rows.append({**r, "workload": workload, "batch": b, "speedup": plain["wall_s"] / r["wall_s"],
-                         "exact": r["tokens"] == plain["tokens"]})
-            print(f"[{workload} B={b}] {d}: acceptance length {r['acceptance_length']:.3f} "
-                  f"({r['wall_s']:.1f}s, plain {plain['wall_s']:.1f}s)", file=sys.stderr, flush=True)
+        arms = [None] + list(drafters)
+        if warm:
+            for d in arms:
+                run_once(model, prompts, max_new, b, d, k, drafter_checkpoint)
+        runs: dict[str | None, list[dict]] = {d: [] for d in arms}
+        for r in range(repeats):
+            for d in (arms if r % 2 == 0 else arms[::-1]):
+                runs[d].append(run_once(model, prompts, max_new, b, d, k, drafter_checkpoint))
+        plain_tokens = runs[None][0]["tokens"]
+        plain_wall = statistics.median(x["wall_s"] for x in runs[None])
+        for d in arms:
+            walls = [x["wall_s"] for x in runs[d]]
+            r = {**runs[d][0], "wall_s": statistics.median(walls), "wall_runs": walls}
+            rows.append({**r, "workload": workload, "batch": b, "speedup": plain_wall / r["wall_s"],
+                         "exact": all(x["tokens"] == plain_tokens for x in runs[d])})
+            if d is not None:
+                print(f"[{workload} B={b}] {d}: acceptance length {r['acceptance_length']:.3f} "
+                      f"(median {r['wall_s']:.2f}s of {len(walls)}, plain {plain_wall:.2f}s: "
+                      f"{plain_wall / r['wall_s']:.2f}x)", file=sys.stderr, flush=True)
     return rows
 
 
@@ -105,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--batch", default="1", help="comma list of max_num_seqs, e.g. 1,8,64")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=1, help="timed rounds per arm, alternating order (median)")
+    ap.add_argument("--warm", action="store_true", help="run every arm once untimed first (the GPU run does)")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     args = ap.parse_args(argv)
     try:
@@ -112,16 +131,18 @@ def main(argv: list[str] | None = None) -> int:
         drafters = [d for d in args.drafters.split(",") if d]
         batches = [int(x) for x in args.batch.split(",") if x]
         bad = [w for w in wls if w not in WORKLOADS] + [d for d in drafters if d not in DRAFTERS]
-        if bad or not wls or not batches or min(batches) < 1 or min(args.prompts, args.max_new, args.k) < 1:
+        if bad or not wls or not batches or min(batches) < 1 or min(args.prompts, args.max_new, args.k,
+                                                                    args.repeats) < 1:
             raise K3Error(f"expected workloads in {WORKLOADS}, drafters in {DRAFTERS}, batch sizes, prompts, "
-                          f"max-new and k >= 1; got {bad[0] if bad else 'a size < 1'}")
+                          f"max-new, k and repeats >= 1; got {bad[0] if bad else 'a size < 1'}")
         torch.set_num_threads(args.threads)
         model = load_model(args.model, device=args.device, dtype=getattr(torch, args.dtype))
         rows = []
         for wl in wls:
             prompts = (gsm8k_prompts(args.prompts, args.shots) if wl == "gsm8k"
                        else agentic_prompts(model, args.prompts))
-            rows += bench(model, wl, prompts, args.max_new, batches, drafters, args.k, args.drafter_checkpoint)
+            rows += bench(model, wl, prompts, args.max_new, batches, drafters, args.k, args.drafter_checkpoint,
+                          repeats=args.repeats, warm=args.warm)
     except (K3Error, ValueError) as exc:
         print(f"drafter_bench: {exc}", file=sys.stderr)
         return 2
@@ -134,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{'yes' if r['exact'] else 'NO'}")
     summary = {"device": args.device, "dtype": args.dtype, "model": args.model or "golden/k3-mini", "k": args.k,
                "prompts": args.prompts, "max_new": args.max_new, "shots": args.shots,
+               "repeats": args.repeats, "warm": args.warm,
                "rows": [{k: v for k, v in r.items() if k != "tokens"} for r in rows]}
     line = json.dumps(summary)
     if args.out:
