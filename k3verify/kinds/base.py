@@ -146,8 +146,9 @@ class Context:
 
     def __init__(self, model, *, model_arg: str | None = None, run_dir=None, progress: Progress | None = None,
                  load_options: Mapping[str, bool] | None = None, tp_backend: str = "gloo",
-                 placement: Mapping[str, Any] | None = None):
+                 placement: Mapping[str, Any] | None = None, model_id: str | None = None):
         self.model, self.model_arg, self.run_dir = model, model_arg, run_dir
+        self._model_id = model_id             # the caller's, when it has hashed the weights already
         # where a model this context loads itself (the KVV gate's served model) lives: the run
         # model's device and dtype, or `placement` ({"device", "dtype"}) when there is none
         self.placement = dict(placement) if placement is not None else (
@@ -160,7 +161,19 @@ class Context:
         self._runners: dict[tuple[int, str], Any] = {}
         # the reference path's answers to a quality gate's prompts, reused by the next toggle's
         # unit in this process: the reference is deterministic, so only the candidates rerun
+        # (under a run_dir, shared with the run's other processes too: quality/shared_answers.py)
         self.reference_answers: dict[tuple, list[str]] = {}
+
+    @property
+    def model_id(self) -> str:
+        """The checkpoint identity reports and resumes use (compare/golden.py model_id: sha256 of
+        the weights file, or the preset and seed), computed once per context and only when asked
+        (a shared reference's key): sha256 reads 1.2 GB/s from the page cache on the dev CPU, so a
+        100 GB checkpoint costs over a minute. `k3verify all` passes the run model's, hashed already."""
+        if self._model_id is None:
+            from k3verify.compare.golden import model_id
+            self._model_id = model_id(self.model)
+        return self._model_id
 
     def runner(self, world_size: int = 1, backend: str | None = None):
         from k3verify.run.runner import Runner

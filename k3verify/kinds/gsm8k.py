@@ -12,6 +12,10 @@ loop is all host dispatch). `stack = "counted"` answers on the engine with the c
 toggles on both sides (batched_decode, and cuda_graphs on CUDA: serving/stack.py): the
 reference's answers bit for bit by their contract, one decode forward per step for every
 question. One unit per toggle, or one reference unit when the check names none.
+
+The reference's answers are computed once per run: reused within a process and, under `k3verify
+all`, read from the run directory by its other processes (quality/shared_answers.py); each result
+says where its unit's came from (`reference_source`: computed, process, run_dir, or mixed).
 """
 from __future__ import annotations
 
@@ -151,29 +155,33 @@ def run(unit: Unit, ctx: Context) -> list[Result]:
         fired.update(getattr(ref_fn, "stats", {}).get("events", {}))
         ctx.progress.advance(len(prompts))
         return out
+    # Only the reference side is remembered: the candidate wraps the plain function, so a toggle's
+    # answers are always computed (tests/test_engine_generate.py, tests/test_shared_reference.py).
     cand_fn = toggled(counted, [unit.toggle]) if unit.toggle else None
-    reference = counted if endpoint else remembered(counted, ctx.reference_answers,
-                                                          (NAME, id(ctx.model), o["batch"], o["stack"]))
+    reference = counted if endpoint else remembered(counted, ctx, batch=o["batch"], stack=o["stack"])
     gate = gsm8k_gate(reference, cand_fn, toggle=unit.toggle, margin=o["margin"], alpha=o["alpha"], beta=o["beta"],
                       min_accuracy=o["min_accuracy"], smoke=o["smoke"], progress=ctx.progress.note,
                       dataset=o["dataset"], data_dir=o["data_dir"], limit=o["limit"], num_fewshot=o["num_fewshot"],
                       seed=o["fewshot_seed"], max_new_tokens=o["max_new_tokens"], batch_size=max(8, o["batch"]))
-    engine = {} if endpoint else {"engine": {"stack": o["stack"], "batch": o["batch"], "events": dict(fired)}}
+    if endpoint:
+        tags = {"endpoint": endpoint}
+    else:
+        answers = reference.evidence()
+        tags = {"engine": {"stack": o["stack"], "batch": o["batch"], "events": dict(fired)},
+                "reference_source": answers["source"], "reference_answers": answers}
     for r in gate.results:
-        r.tag(gate=NAME, **({"endpoint": endpoint} if endpoint else engine))
+        r.tag(gate=NAME, **tags)
     return gate.results
 
 
-def remembered(generate_fn, answers: dict, key: tuple):
-    """The reference side's generate_fn, answering prompts it has answered before in this process
-    from `answers`. Only ever the reference side: the candidate wraps the plain function, so a
-    toggle's answers are always computed (tests/test_engine_generate.py holds that)."""
-    def generate(prompts: list[str], max_new_tokens: int, stop: list[str]) -> list[str]:
-        k = (*key, tuple(prompts), max_new_tokens, tuple(stop))
-        if k not in answers:
-            answers[k] = list(generate_fn(prompts, max_new_tokens, stop))
-        return list(answers[k])
-    return generate
+def remembered(generate_fn, ctx: Context, **options):
+    """The reference side's generate_fn: prompts this process answered before come from
+    ctx.reference_answers; under a run directory (`k3verify all`), answers another process of the
+    run computed come from its file, and answers computed here are filed for the others
+    (quality/shared_answers.py). `options` are the kind's, which decide the answers too."""
+    from k3verify.quality.shared_answers import SharedAnswers, reference_identity
+    return SharedAnswers(generate_fn, ctx.reference_answers, (NAME, id(ctx.model), *sorted(options.items())),
+                         run_dir=ctx.run_dir, identity=lambda: reference_identity(ctx, kind=NAME, **options))
 
 
 def endpoint_generate_fn(base_url: str, model_name: str | None, timeout_s: float = 600.0):

@@ -208,10 +208,10 @@ def execute(plan: dict, model, run_dir: Path, *, display=None, load_options: dic
     ran = 0
     # one Context per model: the run's, and each that a check names for itself
     with contextlib.ExitStack() as stack:
-        def context(m, name):
+        def context(m, name, model_id=None):
             return stack.enter_context(Context(m, model_arg=name, run_dir=run_dir, progress=display,
-                                               load_options=load_options))
-        ctx = context(model, plan["model"])
+                                               load_options=load_options, model_id=model_id))
+        ctx = context(model, plan["model"], plan.get("model_id"))    # hashed once already: new_plan / check_model
         contexts = {name: context(m, name) for name, m in load_check_models(plan, load_options, only).items()}
         units = plan_units(plan)
         if only is not None:
