@@ -344,6 +344,7 @@ def test_gsm8k_units_in_two_processes_share_the_reference_never_the_candidate(mo
         model = stand_in("preset:k3-mini:seed0")
         model.tag = worker
         results[worker] = kind.run(Unit("gsm8k", "g", opts, toggle), Context(model, run_dir=run_dir))
+    assert [side for w, side, _ in calls if w == "a"][0] == "cand", "the candidate did not answer first"
     assert sum(n for w, side, n in calls if (w, side) == ("a", "ref")) == 40
     assert sum(n for w, side, n in calls if (w, side) == ("b", "ref")) == 0, "worker b recomputed the reference"
     assert sum(n for w, side, n in calls if (w, side) == ("b", "cand")) == 40, "worker b's candidate was not computed"

@@ -68,12 +68,16 @@ def gsm8k_gate(ref_fn: GenerateFn, cand_fn: GenerateFn | None = None, *, toggle:
     else:
         subject = Subject.of(toggle)  # unknown names: K3Error with a did-you-mean
     say = progress or (lambda msg: None)
-    say("gsm8k: reference")
-    ref = run_gsm8k(ref_fn, **run_kwargs)
+    # The candidate answers first: under `k3verify all` another process may be computing the
+    # reference's answers for the run (quality/shared_answers.py), and they have this process's
+    # candidate time to land. Each side's `seconds` is timed inside run_gsm8k, so either order
+    # reports them the same way.
     cand = None
     if cand_fn is not None:
         say(f"gsm8k: candidate ({subject.toggle})")
         cand = run_gsm8k(cand_fn, **run_kwargs)
+    say("gsm8k: reference")
+    ref = run_gsm8k(ref_fn, **run_kwargs)
     results, paired = [], {}
     seconds = ref["seconds"] + (cand["seconds"] if cand else 0.0)
     for flt in FILTERS:
