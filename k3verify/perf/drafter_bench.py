@@ -79,7 +79,7 @@ def run_once(model, prompts: list[list[int]], max_new: int, batch: int, drafter:
 
 def bench(model, workload: str, prompts: list[list[int]], max_new: int, batches: list[int],
           drafters: list[str], k: int, drafter_checkpoint: str | None = None, repeats: int = 1,
-          warm: bool = False) -> list[dict]:
+          warm: bool = False, checkpoint=lambda rows: None) -> list[dict]:
     """Per batch size: the plain run and one run per drafter, `repeats` rounds in alternating
     order, the median wall each. `warm` first runs every arm once untimed: on a GPU the first
     run of a process pays for kernel compiles and allocator growth, which read as a speedup of
@@ -87,13 +87,19 @@ def bench(model, workload: str, prompts: list[list[int]], max_new: int, batches:
     rows = []
     for b in batches:
         arms = [None] + list(drafters)
+        def one(d, what: str) -> dict:
+            out = run_once(model, prompts, max_new, b, d, k, drafter_checkpoint)
+            # a line per run, warm ones too: a device call's timeout then still says how far it got
+            print(f"[{workload} B={b}] {what} {d or 'none'}: {out['wall_s']:.2f}s, {out['steps']} steps, "
+                  f"acceptance length {out['acceptance_length']:.3f}", file=sys.stderr, flush=True)
+            return out
         if warm:
             for d in arms:
-                run_once(model, prompts, max_new, b, d, k, drafter_checkpoint)
+                one(d, "warm")
         runs: dict[str | None, list[dict]] = {d: [] for d in arms}
         for r in range(repeats):
             for d in (arms if r % 2 == 0 else arms[::-1]):
-                runs[d].append(run_once(model, prompts, max_new, b, d, k, drafter_checkpoint))
+                runs[d].append(one(d, f"round {r + 1}"))
         plain_tokens = runs[None][0]["tokens"]
         plain_wall = statistics.median(x["wall_s"] for x in runs[None])
         for d in arms:
@@ -101,11 +107,18 @@ def bench(model, workload: str, prompts: list[list[int]], max_new: int, batches:
             r = {**runs[d][0], "wall_s": statistics.median(walls), "wall_runs": walls}
             rows.append({**r, "workload": workload, "batch": b, "speedup": plain_wall / r["wall_s"],
                          "exact": all(x["tokens"] == plain_tokens for x in runs[d])})
+            checkpoint(rows)
             if d is not None:
                 print(f"[{workload} B={b}] {d}: acceptance length {r['acceptance_length']:.3f} "
                       f"(median {r['wall_s']:.2f}s of {len(walls)}, plain {plain_wall:.2f}s: "
                       f"{plain_wall / r['wall_s']:.2f}x)", file=sys.stderr, flush=True)
     return rows
+
+
+def _summary(args, rows: list[dict]) -> dict:
+    return {"device": args.device, "dtype": args.dtype, "model": args.model or "golden/k3-mini", "k": args.k,
+            "prompts": args.prompts, "max_new": args.max_new, "shots": args.shots, "repeats": args.repeats,
+            "warm": args.warm, "rows": [{k: v for k, v in r.items() if k != "tokens"} for r in rows]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,12 +150,17 @@ def main(argv: list[str] | None = None) -> int:
                           f"max-new, k and repeats >= 1; got {bad[0] if bad else 'a size < 1'}")
         torch.set_num_threads(args.threads)
         model = load_model(args.model, device=args.device, dtype=getattr(torch, args.dtype))
-        rows = []
+        rows: list[dict] = []
+
+        def checkpoint(done: list[dict]) -> None:     # every finished row on file, before the next run
+            if args.out:
+                from k3verify.io import atomic_write_text
+                atomic_write_text(args.out, json.dumps({**_summary(args, rows + done), "complete": False}) + "\n")
         for wl in wls:
             prompts = (gsm8k_prompts(args.prompts, args.shots) if wl == "gsm8k"
                        else agentic_prompts(model, args.prompts))
             rows += bench(model, wl, prompts, args.max_new, batches, drafters, args.k, args.drafter_checkpoint,
-                          repeats=args.repeats, warm=args.warm)
+                          repeats=args.repeats, warm=args.warm, checkpoint=checkpoint)
     except (K3Error, ValueError) as exc:
         print(f"drafter_bench: {exc}", file=sys.stderr)
         return 2
@@ -153,11 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['drafter']:8} {r['workload']:8} {r['batch']:>3} {r['acceptance_length']:>10.3f} "
               f"{r['mean_accepted']:>10.3f} {r['tokens_per_step']:>8.3f} {r['wall_s']:>7.2f} {r['speedup']:>7.2f} "
               f"{'yes' if r['exact'] else 'NO'}")
-    summary = {"device": args.device, "dtype": args.dtype, "model": args.model or "golden/k3-mini", "k": args.k,
-               "prompts": args.prompts, "max_new": args.max_new, "shots": args.shots,
-               "repeats": args.repeats, "warm": args.warm,
-               "rows": [{k: v for k, v in r.items() if k != "tokens"} for r in rows]}
-    line = json.dumps(summary)
+    line = json.dumps({**_summary(args, rows), "complete": True})
     if args.out:
         from k3verify.io import atomic_write_text
         atomic_write_text(args.out, line + "\n")
