@@ -124,3 +124,16 @@ def test_counted_stack_comparison_fails_on_a_fast_step_fault(model_and_tok):
     ref = greedy_generate_fn(model, tok)(prompts, 20, STOP)
     gen = engine_generate_fn(model, tok, batch=3, stack_toggles=("batched_decode", "mut_fast_conv_wrong_row"))
     assert gen(prompts, 20, STOP) != ref
+
+
+def test_the_step_timing_splits_prefill_from_decode_and_counts_every_prompt_token(model_and_tok):
+    """stats["timing"]: steps that computed prompt tokens vs steps that only decoded; every prompt
+    token is counted once (the control: the prompts' own lengths), every step is one of the two."""
+    model, tok = model_and_tok
+    prompts = _prompts(3)
+    gen = engine_generate_fn(model, tok, batch=2)
+    gen(prompts, 12, STOP)
+    t = gen.stats["timing"]
+    assert t["prefill_steps"] + t["decode_steps"] == gen.stats["steps"]
+    assert t["prefill_tokens"] == sum(len(tok.encode(p)) for p in prompts)
+    assert t["prefill_steps"] >= 1 and t["decode_steps"] >= 1 and t["prefill_s"] > 0 and t["decode_s"] > 0

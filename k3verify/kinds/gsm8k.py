@@ -149,10 +149,13 @@ def run(unit: Unit, ctx: Context) -> list[Result]:
             ref_fn = greedy_generate_fn(ctx.model, tok)
 
     fired: Counter = Counter()                   # the engine's path events over this unit's calls
+    timing: Counter = Counter()                  # and its steps' wall seconds, prefill vs decode-only
 
     def counted(prompts, *a, **kw):              # one progress item per question answered, either side
         out = ref_fn(prompts, *a, **kw)
-        fired.update(getattr(ref_fn, "stats", {}).get("events", {}))
+        stats = getattr(ref_fn, "stats", {})
+        fired.update(stats.get("events", {}))
+        timing.update(stats.get("timing", {}))   # Counter.update adds: the unit's engine seconds, by step kind
         ctx.progress.advance(len(prompts))
         return out
     # Only the reference side is remembered: the candidate wraps the plain function, so a toggle's
@@ -167,7 +170,8 @@ def run(unit: Unit, ctx: Context) -> list[Result]:
         tags = {"endpoint": endpoint}
     else:
         answers = reference.evidence()
-        tags = {"engine": {"stack": o["stack"], "batch": o["batch"], "events": dict(fired)},
+        tags = {"engine": {"stack": o["stack"], "batch": o["batch"], "events": dict(fired),
+                           "timing": {k: round(v, 3) for k, v in timing.items()}},
                 "reference_source": answers["source"], "reference_answers": answers}
     for r in gate.results:
         r.tag(gate=NAME, **tags)
