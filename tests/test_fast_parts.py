@@ -143,6 +143,21 @@ def test_placement_ranks_rows_per_expert_in_row_order():
     flat, pos = placement(idx, 3)
     assert flat.tolist() == [2, 0, 0, 1, 2, 1, 0, 2]
     assert pos.tolist() == [0, 0, 1, 0, 1, 1, 2, 2]
+    assert pos.dtype == torch.long
+
+
+@pytest.mark.parametrize("tokens,top_k,n_exp", [(1, 2, 4), (64, 8, 64), (256, 8, 64), (300, 6, 7)])
+def test_placement_equals_counting_earlier_choosers(tokens, top_k, n_exp):
+    """Against the definition, counted directly: slot i's position is how many earlier slots chose
+    its expert. Shapes of the H200 profile's B=64 and B=256 steps among them. The control: an
+    off-by-one rank (the inclusive count) differs from the definition."""
+    g = torch.Generator().manual_seed(tokens)
+    idx = torch.stack([torch.randperm(n_exp, generator=g)[:top_k] for _ in range(tokens)])
+    flat, pos = placement(idx, n_exp)
+    f = flat.tolist()
+    counted = [sum(1 for j in range(i) if f[j] == f[i]) for i in range(len(f))]
+    assert pos.tolist() == counted
+    assert (pos + 1).tolist() != counted
 
 
 def test_block_tables_follow_appends_and_new_lists():
