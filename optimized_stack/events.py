@@ -61,6 +61,8 @@ EVENTS = {
     "graph_replay": "the batched decode step was replayed from a captured CUDA graph (FastDecoder._forward)",
     "fast_kda_value_tiles": "a decode row's KDA recurrence ran more than one 64-wide value tile in the batched "
                             "step (FastDecoder.run; only where the value head is > 64)",
+    "fast_fused_conv_rows": "a decode row's KDA convs ran as the fused Triton kernel (fused_kda_conv; "
+                            "FastDecoder.run)",
     # k3verify/run/sequential.py (the verifier's runner-level toggles)
     "prompt_via_step_api": "a prompt was fed through the step API in more than one call",
     "state_roundtrip": "a request's state was serialised to bytes and restored",

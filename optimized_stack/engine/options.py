@@ -47,6 +47,7 @@ FAULTS = {
     "mut_fast_pad_shares_table": "the batched decode step's padding rows use the first request's block table, "
                                  "not the scratch block",
     "mut_fast_conv_wrong_row": "the batched decode step stores request i's conv window from request i+1's input",
+    "mut_fused_conv_stale_window": "the fused decode conv stores the new input but leaves the older taps unshifted",
     "mut_graph_stale_input": "a replayed CUDA graph reads last replay's token ids (the input copy is skipped)",
     "mut_fast_kda_stale_value_tiles": "the batched decode step writes back only the first 64-wide value tile "
                                       "of each KDA state (inert while the value head is <= 64)",
@@ -66,6 +67,7 @@ REQUIRES = {
     # store of continuous batching, checked in __post_init__ (one needed option per entry here)
     "batched_decode": "projected_kv_cache",
     "cuda_graphs": "batched_decode",
+    "fused_kda_conv": "batched_decode",
 }
 
 
@@ -111,6 +113,8 @@ class EngineOptions:
     # (padded to a ladder size), and that forward captured as CUDA graphs (CUDA only)
     batched_decode: bool = False
     cuda_graphs: bool = False
+    # engine/fast: the step's KDA causal conv as one Triton launch per conv (kernels/kda/conv_step.py)
+    fused_kda_conv: bool = False
     faults: frozenset[str] = field(default_factory=frozenset)
 
     def __post_init__(self) -> None:

@@ -65,6 +65,13 @@ class DecodeStep:
                                   mla.num_blocks, model.device)
         self.conv_wrong_row = "mut_fast_conv_wrong_row" in opts.faults
         self.stale_value_tiles = "mut_fast_kda_stale_value_tiles" in opts.faults
+        # fused_kda_conv: the KDA conv as one Triton launch per conv (kernels/kda/conv_step.py);
+        # its bit-for-bit argument holds for bf16 / fp16 activations only
+        self.fused_conv = "stale_window" if "mut_fused_conv_stale_window" in opts.faults else opts.fused_kda_conv
+        if self.fused_conv and model.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+            raise ValueError("fused_kda_conv is a Triton kernel: it needs a CUDA model (or TRITON_INTERPRET=1)")
+        if self.fused_conv and next(model.parameters()).dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"fused_kda_conv needs a bf16 or fp16 model, got {next(model.parameters()).dtype}")
 
     # ---- capturability -------------------------------------------------------------------
     def capturable(self) -> str | None:
@@ -111,7 +118,7 @@ class DecodeStep:
         if layer.kind == KDA:
             return kda_decode(layer.self_attn, x, self.kda[layer.index], kda_slot,
                               conv_wrong_row=self.conv_wrong_row,
-                              stale_value_tiles=self.stale_value_tiles)
+                              stale_value_tiles=self.stale_value_tiles, fused_conv=self.fused_conv)
         return mla_decode(layer.self_attn, x, self.mla[layer.index], self.tables.tables, table_slot, pos)
 
     def _plain_stack(self, h: torch.Tensor) -> torch.Tensor:

@@ -93,6 +93,8 @@ class FastDecoder:
             self.events.fire("fast_kda_value_tiles", len(reqs))
         if size > len(reqs):
             self.events.fire("fast_padded_rows", size - len(reqs))
+        if self.step.fused_conv and "kda" in self.model.config.layer_kinds:
+            self.events.fire("fast_fused_conv_rows", len(reqs))
         return rows, tokens
 
     def _forward(self, meta_host: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

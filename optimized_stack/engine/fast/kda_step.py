@@ -123,18 +123,31 @@ def _batched_reference(x: torch.Tensor) -> bool:
     return ops.gpu_reference() is gpu_reference
 
 
+def _conv(fused: bool | str, wrong_row: bool):
+    """The conv form in force: conv_step, or (fused_kda_conv) the Triton kernel, "stale_window"
+    being its seeded fault."""
+    if not fused:
+        return lambda x, pool, slots, weight: conv_step(x, pool, slots, weight, wrong_row=wrong_row)
+    from ...kernels.kda.conv_step import fused_conv_step
+    return lambda x, pool, slots, weight: fused_conv_step(x, pool, slots, weight,
+                                                          stale_window=fused == "stale_window")
+
+
 def kda_decode(layer: KDAttention, x: torch.Tensor, pools: dict[str, torch.Tensor], slots: torch.Tensor,
-               *, conv_wrong_row: bool = False, stale_value_tiles: bool = False) -> torch.Tensor:
+               *, conv_wrong_row: bool = False, stale_value_tiles: bool = False,
+               fused_conv: bool | str = False) -> torch.Tensor:
     """KDAttention.forward for one token of each of B requests: x [B, D] -> [B, D]; the request
     states live in `pools` (recurrent [P, H, K, V] fp32, conv_q/k/v [P, W-1, C]) at `slots` [B]
     and are advanced in place. `stale_value_tiles` is the seeded fault mut_fast_kda_stale_value_tiles
-    (the value tiles after the first are not written back: inert while V <= V_TILE)."""
+    (the value tiles after the first are not written back: inert while V <= V_TILE); `fused_conv`
+    runs the three convs as Triton launches (fused_kda_conv; "stale_window": its seeded fault)."""
     cfg = layer.cfg
     h, kd = cfg.kda_num_heads, cfg.kda_head_dim
     lin = OPS.linear
-    q = conv_step(lin(x, layer.q_proj.weight), pools["conv_q"], slots, layer.q_conv1d.weight, wrong_row=conv_wrong_row)
-    k = conv_step(lin(x, layer.k_proj.weight), pools["conv_k"], slots, layer.k_conv1d.weight, wrong_row=conv_wrong_row)
-    v = conv_step(lin(x, layer.v_proj.weight), pools["conv_v"], slots, layer.v_conv1d.weight, wrong_row=conv_wrong_row)
+    conv = _conv(fused_conv, conv_wrong_row)
+    q = conv(lin(x, layer.q_proj.weight), pools["conv_q"], slots, layer.q_conv1d.weight)
+    k = conv(lin(x, layer.k_proj.weight), pools["conv_k"], slots, layer.k_conv1d.weight)
+    v = conv(lin(x, layer.v_proj.weight), pools["conv_v"], slots, layer.v_conv1d.weight)
     q = silu(q).view(-1, h, kd)
     k = silu(k).view(-1, h, kd)
     v = silu(v).view(-1, h, kd)

@@ -58,6 +58,19 @@ _mut("mut_fast_conv_wrong_row", "batched_decode", "the batched decode step store
 _mut("mut_fast_kda_stale_value_tiles", "batched_decode", "the batched decode step writes back only the first "
      "64-wide value tile of each KDA state (the real-dims fault class: inert at k3-mini's value head of 16, "
      "wrong at K3's 128)", BATCHED, ("kda_state", "logits"), "kda/recurrent", ("fast_kda_value_tiles",))
+# exact: the step's KDA conv as one Triton launch per conv instead of ~10 torch kernels (~270 of a
+# k3-small step's ~1,100 small kernels on the H200), the same roundings in the same order
+# (kernels/kda/conv_step.py; interpreter tests bit for bit against conv_step)
+FUSED_CONV = {**BATCHED, "fused_kda_conv": True}
+register(Toggle(
+    name="fused_kda_conv", contract=EXACT, touches=ALL, engine=FUSED_CONV, devices=CUDA,
+    requires=tuple(r for r in required_options(FUSED_CONV) if r != "fused_kda_conv"), exercised_by=EXERCISED_BY,
+    events=("fast_fused_conv_rows",),
+    description="the batched decode step's KDA causal conv (window gather, taps, window shift) as one "
+                "Triton launch per conv, bf16/fp16, the torch form's roundings in its order"))
+_mut("mut_fused_conv_stale_window", "fused_kda_conv", "the fused decode conv stores the new input but "
+     "leaves the older taps of the window unshifted", FUSED_CONV, ("kda_state", "logits"), "kda/conv",
+     ("fast_fused_conv_rows",), devices=CUDA)
 _mut("mut_graph_stale_input", "cuda_graphs", "a replayed CUDA graph reads the token ids of its first "
      "replay (the copy into the static input is skipped)", GRAPHS, ("logits", "tokens"), "engine/graphs",
      ("graph_replay",), devices=CUDA)
