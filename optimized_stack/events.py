@@ -63,6 +63,11 @@ EVENTS = {
                             "step (FastDecoder.run; only where the value head is > 64)",
     "fast_fused_conv_rows": "a decode row's KDA convs ran as the fused Triton kernel (fused_kda_conv; "
                             "FastDecoder.run)",
+    "fast_fused_combine_rows": "a decode row's routed experts were combined by the fused Triton kernel "
+                               "(fused_moe_combine; FastDecoder.run)",
+    "fast_fused_combine_three_plus": "the fused combine summed three or more experts a row, where the "
+                                     "order of the sum shows in its bits (FastDecoder.run; only where "
+                                     "num_experts_per_token > 2)",
     # k3verify/run/sequential.py (the verifier's runner-level toggles)
     "prompt_via_step_api": "a prompt was fed through the step API in more than one call",
     "state_roundtrip": "a request's state was serialised to bytes and restored",
@@ -95,7 +100,10 @@ OFF_GRID_IMPOSSIBLE = {
 # the width it must exceed). A mutant all of whose events are here does not apply to such a model
 # (it is judged on one whose dims run its code, e.g. k3-dims), so it is never a silent "caught".
 DIMS_NEEDED = {
-    "fast_kda_value_tiles": ("kda_head_dim", 64),
+    "fast_kda_value_tiles": ("kda_head_dim", 64, "one tile, so the code for the tiles after the first never runs"),
+    # a sum of two experts from zero is the same in either order ((0 + a) + b == (0 + b) + a)
+    "fast_fused_combine_three_plus": ("num_experts_per_token", 2, "two experts a row, whose sum from zero "
+                                      "is the same in any order"),
 }
 
 
@@ -105,10 +113,10 @@ def impossible(declared: tuple[str, ...] | list[str], grid: int | None, config=N
     out = {e: OFF_GRID_IMPOSSIBLE[e] for e in declared if grid and e in OFF_GRID_IMPOSSIBLE}
     for e in declared:
         if config is not None and e in DIMS_NEEDED:
-            field, width = DIMS_NEEDED[e]
+            field, width, why = DIMS_NEEDED[e]
             if getattr(config, field) <= width:
-                out[e] = (f"at this model's dims: {field} {getattr(config, field)} <= {width}, one tile, "
-                          f"so the code for the tiles after the first never runs (judge it on k3-dims)")
+                out[e] = (f"at this model's dims: {field} {getattr(config, field)} <= {width}, {why} "
+                          f"(judge it on a model past that, e.g. k3-dims or k3-small)")
     return out
 
 

@@ -48,6 +48,8 @@ FAULTS = {
                                  "not the scratch block",
     "mut_fast_conv_wrong_row": "the batched decode step stores request i's conv window from request i+1's input",
     "mut_fused_conv_stale_window": "the fused decode conv stores the new input but leaves the older taps unshifted",
+    "mut_fused_combine_slot_order": "the fused MoE combine adds the chosen experts in slot order, not expert order",
+    "mut_fused_combine_drops_last": "the fused MoE combine leaves each row's highest expert out",
     "mut_graph_stale_input": "a replayed CUDA graph reads last replay's token ids (the input copy is skipped)",
     "mut_fast_kda_stale_value_tiles": "the batched decode step writes back only the first 64-wide value tile "
                                       "of each KDA state (inert while the value head is <= 64)",
@@ -68,6 +70,7 @@ REQUIRES = {
     "batched_decode": "projected_kv_cache",
     "cuda_graphs": "batched_decode",
     "fused_kda_conv": "batched_decode",
+    "fused_moe_combine": "batched_decode",
 }
 
 
@@ -115,6 +118,8 @@ class EngineOptions:
     cuda_graphs: bool = False
     # engine/fast: the step's KDA causal conv as one Triton launch per conv (kernels/kda/conv_step.py)
     fused_kda_conv: bool = False
+    # engine/fast: the static experts' combine as one Triton launch (kernels/moe/combine.py)
+    fused_moe_combine: bool = False
     faults: frozenset[str] = field(default_factory=frozenset)
 
     def __post_init__(self) -> None:

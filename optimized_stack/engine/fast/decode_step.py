@@ -35,9 +35,11 @@ from ...toggles import base_form
 from .batch import ROW_IDS, ROW_KDA_SLOT, ROW_POS, ROW_TABLE_SLOT, BlockTables
 from .kda_step import FAST_KDA_ENV, kda_decode
 from .mla_step import PAGED_FORMS, PagedMLA, mla_decode
-from .moe_static import routed_static, routed_static_grouped
+from .moe_static import (routed_static, routed_static_fused, routed_static_fused_drop_last,
+                         routed_static_fused_slot_order, routed_static_grouped)
 
-CAPTURABLE_EXPERTS = (None, routed_static, routed_static_grouped)
+CAPTURABLE_EXPERTS = (None, routed_static, routed_static_grouped, routed_static_fused, routed_static_fused_slot_order,
+                      routed_static_fused_drop_last)
 ENV_CHOICES = (ops.GPU_PROFILE_ENV, "K3_GPU_GEMM", "K3_GPU_KDA", FAST_KDA_ENV)
 
 
@@ -72,6 +74,14 @@ class DecodeStep:
             raise ValueError("fused_kda_conv is a Triton kernel: it needs a CUDA model (or TRITON_INTERPRET=1)")
         if self.fused_conv and next(model.parameters()).dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"fused_kda_conv needs a bf16 or fp16 model, got {next(model.parameters()).dtype}")
+        # fused_moe_combine: the static experts' combine as one Triton launch (kernels/moe/combine.py)
+        self.experts = (routed_static_fused_slot_order if "mut_fused_combine_slot_order" in opts.faults
+                        else routed_static_fused_drop_last if "mut_fused_combine_drops_last" in opts.faults
+                        else routed_static_fused if opts.fused_moe_combine else routed_static)
+        if self.experts is not routed_static and model.device.type != "cuda" and \
+                os.environ.get("TRITON_INTERPRET", "0") != "1":
+            raise ValueError("fused_moe_combine is a Triton kernel: it needs a CUDA model (or TRITON_INTERPRET=1)")
+        self.combine_fused = False    # whether the last traced forward ran the fused combine (its event)
 
     # ---- capturability -------------------------------------------------------------------
     def capturable(self) -> str | None:
@@ -95,9 +105,11 @@ class DecodeStep:
     @contextlib.contextmanager
     def _static_experts(self) -> Iterator[None]:
         if OPS.moe_experts is not None:              # a toggle's experts win (grouped, a mutant)
+            self.combine_fused = False
             yield
             return
-        with ops.override(moe_experts=routed_static):
+        self.combine_fused = self.experts is not routed_static
+        with ops.override(moe_experts=self.experts):
             yield
 
     @torch.no_grad()

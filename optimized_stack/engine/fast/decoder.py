@@ -95,6 +95,10 @@ class FastDecoder:
             self.events.fire("fast_padded_rows", size - len(reqs))
         if self.step.fused_conv and "kda" in self.model.config.layer_kinds:
             self.events.fire("fast_fused_conv_rows", len(reqs))
+        if self.step.combine_fused and self.model.config.num_experts:   # set by the (captured) forward
+            self.events.fire("fast_fused_combine_rows", len(reqs))
+            if self.model.config.num_experts_per_token > 2:
+                self.events.fire("fast_fused_combine_three_plus", len(reqs))
         return rows, tokens
 
     def _forward(self, meta_host: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

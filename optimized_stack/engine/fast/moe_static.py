@@ -66,8 +66,11 @@ def _dispatch(h: torch.Tensor, flat: torch.Tensor, pos: torch.Tensor, n_exp: int
     return xs
 
 
-def routed_static(moe, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """MoE.routed on static shapes (module docstring). h [T, De] -> [T, De] fp32."""
+def routed_static(moe, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, *,
+                  _fused_combine: bool | str = False) -> torch.Tensor:
+    """MoE.routed on static shapes (module docstring). h [T, De] -> [T, De] fp32.
+    `_fused_combine` (routed_static_fused) combines in one Triton launch; "slot_order" and
+    "drop_last" are its seeded faults."""
     experts = moe.experts
     n_exp, top_k = len(experts), idx.shape[1]
     flat, pos = placement(idx, n_exp)
@@ -77,7 +80,27 @@ def routed_static(moe, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> t
     up = torch.stack([lin(xs[e], ex.w3.weight) for e, ex in enumerate(experts)])
     act = _act(moe.cfg, gate, up)
     out = torch.stack([lin(act[e], ex.w2.weight) for e, ex in enumerate(experts)]).float()   # [E, T, De]
+    if _fused_combine:
+        from ...kernels.moe.combine import fused_combine
+        return fused_combine(out, pos, idx, w, slot_order=_fused_combine == "slot_order",
+                             drop_last=_fused_combine == "drop_last")
     return _combine(out, flat, pos, idx, w)
+
+
+def routed_static_fused(moe, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """routed_static with the combine as one Triton launch (fused_moe_combine: bit-identical,
+    kernels/moe/combine.py)."""
+    return routed_static(moe, h, idx, w, _fused_combine=True)
+
+
+def routed_static_fused_slot_order(moe, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The seeded fault mut_fused_combine_slot_order: the fused combine adds in slot order."""
+    return routed_static(moe, h, idx, w, _fused_combine="slot_order")
+
+
+def routed_static_fused_drop_last(moe, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The seeded fault mut_fused_combine_drops_last: each row's highest expert left out."""
+    return routed_static(moe, h, idx, w, _fused_combine="drop_last")
 
 
 def routed_static_grouped(moe, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, *,

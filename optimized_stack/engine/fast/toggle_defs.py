@@ -71,6 +71,22 @@ register(Toggle(
 _mut("mut_fused_conv_stale_window", "fused_kda_conv", "the fused decode conv stores the new input but "
      "leaves the older taps of the window unshifted", FUSED_CONV, ("kda_state", "logits"), "kda/conv",
      ("fast_fused_conv_rows",), devices=CUDA)
+# exact: the static experts' combine (k gathers and adds from zeros, in ascending expert index) as
+# one Triton launch, the same fp32 products and sums in the same order, FMA contraction off
+# (kernels/moe/combine.py: ~240 of a k3-small step's ~1,100 small kernels on the H200)
+FUSED_COMBINE = {**BATCHED, "fused_moe_combine": True}
+register(Toggle(
+    name="fused_moe_combine", contract=EXACT, touches=ALL, engine=FUSED_COMBINE, devices=CUDA,
+    requires=tuple(r for r in required_options(FUSED_COMBINE) if r != "fused_moe_combine"),
+    exercised_by=EXERCISED_BY, events=("fast_fused_combine_rows",),
+    description="the batched decode step's routed-expert combine (per row, from zeros, w * out in "
+                "ascending expert index, fp32) as one Triton launch per MoE layer"))
+_mut("mut_fused_combine_slot_order", "fused_moe_combine", "the fused MoE combine adds each row's experts "
+     "in slot (router) order instead of ascending expert index: the same sum, other fp32 roundings",
+     FUSED_COMBINE, ("logits",), "engine/fast_step", ("fast_fused_combine_three_plus",), devices=CUDA)
+_mut("mut_fused_combine_drops_last", "fused_moe_combine", "the fused MoE combine's loop stops one expert short: "
+     "each row's highest expert is left out", FUSED_COMBINE, ("logits",), "engine/fast_step",
+     ("fast_fused_combine_rows",), devices=CUDA)
 _mut("mut_graph_stale_input", "cuda_graphs", "a replayed CUDA graph reads the token ids of its first "
      "replay (the copy into the static input is skipped)", GRAPHS, ("logits", "tokens"), "engine/graphs",
      ("graph_replay",), devices=CUDA)
