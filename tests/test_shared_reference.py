@@ -96,10 +96,14 @@ def test_a_second_process_answers_from_the_first_ones_file(tmp_path):
 
 
 def test_the_key_is_the_same_in_another_interpreter(tmp_path):
-    """A real second process (its own hash seed, its own model object) computes, this one reads."""
+    """A real second process (its own hash seed, its own model object) computes, this one reads.
+    The child runs on this process's torch thread count, as `all --jobs` workers share theirs:
+    the thread count is part of the numerics environment, hence of the key (an earlier test in
+    the same pytest process may have changed it; the CI run of 712df81 failed on that)."""
     run_dir, model = tmp_path / "run", checkpoint(tmp_path / "ckpt")
     script = textwrap.dedent(f"""
-        import os, sys
+        import os, sys, torch
+        torch.set_num_threads({torch.get_num_threads()})
         sys.path.insert(0, {str(REPO / 'tests')!r})
         from test_shared_reference import Counting, reference, PROMPTS, STOP
         reference(Counting(), {str(run_dir)!r}, source={str(model)!r})(PROMPTS, 16, STOP)
