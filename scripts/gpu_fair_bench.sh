@@ -12,6 +12,10 @@
 #    Measured on the H200 (2026-12-02, B = 64,256, 5 repeats): load + the contracts took 139 s (the
 #    first contract line at 123 s), and the prewarm had not finished a B when a 270 s timeout hit, so
 #    the estimate above is low: give step 1 a call of its own (FAIR_TIMEOUT_S 540, COMPILED=0).
+#    Measured again (2026-12-02, session 9, B = 64,1,256 + prefill 4K/32K): load + contracts 146 s,
+#    transformers' first B = 64 pass 155 s, B = 64 done at 378 s, B = 1 at 470 s, then the 540 s kill
+#    in B = 256: fit B = 64 and prefill in one call (FAIR_ARGS="--batches 64 --prefill 4096,32768"),
+#    B = 1 and 256 in another. Every finished cell is on file (fair_baseline.partial.json) and in the log.
 # 2. (COMPILED=0 skips) the compiled arm in its own process at B = 64, under its own timeout:
 #    transformers compiles generate()'s decode step with a static cache, a compile of unknown
 #    length that must not cost the measurement above.
