@@ -19,7 +19,7 @@
 # 2. (COMPILED=0 skips) the compiled arm in its own process at B = 64, under its own timeout:
 #    transformers compiles generate()'s decode step with a static cache, a compile of unknown
 #    length that must not cost the measurement above.
-# Results in $OUT (7 files): fair_baseline.json, summary.json, bench.log, env.log,
+# Results in $OUT (8 files): fair_baseline.json, fair_baseline.partial.json, summary.json, bench.log, env.log,
 # compiled/{fair_baseline.json, summary.json, bench.log}. FAIR_ARGS adds flags to step 1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
