@@ -104,7 +104,9 @@ def counted_server():
 
 def test_counted_stack_is_the_fast_path_that_runs_on_the_device():
     assert counted_toggles("cpu") == ("batched_decode",)
-    assert set(counted_toggles("cuda")) == {"batched_decode", "cuda_graphs"}
+    # every exact fast-path toggle of the device: the fused decode kernels too, judged by the same
+    # suite's selftest (a toggle whose contract failed would fail that run, not pass unseen)
+    assert set(counted_toggles("cuda")) == {"batched_decode", "cuda_graphs", "fused_kda_conv", "fused_moe_combine"}
     stack = serve_stack("counted", [], "cpu")
     assert stack.label == "engine[batched_decode,projected_kv_cache]", "requires are applied and named"
     assert serve_stack(None, [], "cpu").label == "reference"
@@ -241,9 +243,15 @@ def test_served_stack_row_fails_on_another_stack_and_is_not_exercised_without_ev
     # cuda_graphs is proven by its replays, not by the batched step it shares with batched_decode
     graphs = serve_stack("counted", [], "cuda")
     eager = kvv_kind.served_stack_result(graphs, graphs.label, Counter({graphs.label: 5}), {"fast_decode_rows": 9}, "s")
+    fused = {"fast_fused_conv_rows": 9, "fast_fused_combine_rows": 9}
     replayed = kvv_kind.served_stack_result(graphs, graphs.label, Counter({graphs.label: 5}),
-                                            {"fast_decode_rows": 9, "graph_replay": 9}, "s")
+                                            {"fast_decode_rows": 9, "graph_replay": 9, **fused}, "s")
     assert (eager.status, replayed.status) == ("not_exercised", "pass") and "graph_replay" in eager.reason
+    # each fused kernel proves itself by its own event: replays without one are not enough
+    no_combine = kvv_kind.served_stack_result(graphs, graphs.label, Counter({graphs.label: 5}),
+                                              {"fast_decode_rows": 9, "graph_replay": 9,
+                                               "fast_fused_conv_rows": 9}, "s")
+    assert no_combine.status == "not_exercised" and "fused_moe_combine" in no_combine.reason
 
 
 @pytest.mark.parametrize("options,match", [
