@@ -122,3 +122,17 @@ def test_the_engine_with_the_fused_conv_is_bit_identical_and_its_mutant_is_not()
     assert f_tokens == tokens and f_rows.keys() == rows.keys()
     assert all(bit_equal(f_rows[k], rows[k]) for k in rows), "a logits row differs with the fused conv"
     assert any(not bit_equal(m_rows[k], rows[k]) for k in rows), "the stale-window mutant changed no logits row"
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter form of the engine test")
+def test_an_fp32_model_keeps_the_torch_conv_and_says_so_by_its_silent_event():
+    """The counted stack holds fused_kda_conv on every CUDA run; an fp32 model must still be served
+    (conv_step runs), and the toggle's event stays silent, so its verdict is not a pass there."""
+    from optimized_stack import load_model
+    model = load_model("k3-mini", device="cpu", dtype=torch.float32)
+    prompts = [list(range(1, 12)), list(range(5, 9))]
+    with torch.no_grad():
+        tokens, rows, _ = _engine_run(model, prompts)
+        f_tokens, f_rows, f_events = _engine_run(model, prompts, fused_kda_conv=True)
+    assert f_events.get("fast_fused_conv_rows", 0) == 0 and f_events.get("fast_decode_rows", 0) > 0
+    assert f_tokens == tokens and all(bit_equal(f_rows[k], rows[k]) for k in rows)

@@ -69,11 +69,14 @@ class DecodeStep:
         self.stale_value_tiles = "mut_fast_kda_stale_value_tiles" in opts.faults
         # fused_kda_conv: the KDA conv as one Triton launch per conv (kernels/kda/conv_step.py);
         # its bit-for-bit argument holds for bf16 / fp16 activations only
-        self.fused_conv = "stale_window" if "mut_fused_conv_stale_window" in opts.faults else opts.fused_kda_conv
+        # An fp32 model keeps conv_step (the kernel's argument needs a narrower dtype): the toggle's
+        # event then does not fire, so its verdict there is `not exercised`, and the counted stack
+        # (which holds it on every CUDA run) still serves an fp32 model.
+        narrow = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
+        self.fused_conv = narrow and ("stale_window" if "mut_fused_conv_stale_window" in opts.faults
+                                      else opts.fused_kda_conv)
         if self.fused_conv and model.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
             raise ValueError("fused_kda_conv is a Triton kernel: it needs a CUDA model (or TRITON_INTERPRET=1)")
-        if self.fused_conv and next(model.parameters()).dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError(f"fused_kda_conv needs a bf16 or fp16 model, got {next(model.parameters()).dtype}")
         # fused_moe_combine: the static experts' combine as one Triton launch (kernels/moe/combine.py)
         self.experts = (routed_static_fused_slot_order if "mut_fused_combine_slot_order" in opts.faults
                         else routed_static_fused_drop_last if "mut_fused_combine_drops_last" in opts.faults
