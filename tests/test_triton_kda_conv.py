@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_env import DEVICE, MARKS, bit_equal
+from triton_env import DEVICE, ENGINE_PROMPTS, MARKS, bit_equal, engine_run
 
 pytestmark = MARKS
 
@@ -77,46 +77,13 @@ def test_bad_input_is_one_line(mutate, match):
 
 
 # ---- the toggle in the engine: batched decode with and without the fused conv ------------------
-def _engine_run(model, prompts, **extra):
-    from optimized_stack import toggles
-    from optimized_stack.engine.engine import Engine
-    from optimized_stack.engine.options import EngineOptions, SamplingParams
-
-    class Rows:
-        def __init__(self):
-            self.rows = {}
-
-        def on_logits(self, rid, start, rows):
-            self.rows[(rid, start)] = rows.clone()
-
-        def on_kda_state(self, *a):
-            pass
-
-        def on_finish(self, *a):
-            pass
-
-        def on_step(self, *a):
-            pass
-    with toggles.applied(["batched_decode"]) as ap:
-        opts = EngineOptions.from_dict({**ap.engine, "max_num_seqs": len(prompts), "kda_pool_slots": len(prompts),
-                                        **extra})
-    cap = Rows()
-    eng = Engine(model, opts, [cap])
-    for i, p in enumerate(prompts):
-        eng.add_request(p, SamplingParams(max_new_tokens=5, ignore_eos=True), request_id=f"r{i}", arrival_step=i % 2)
-    out = eng.run()
-    return {r: o.tokens for r, o in out.items()}, cap.rows, dict(eng.events)
-
-
 @pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter form of the engine test (on a GPU the selftest judges it)")
 def test_the_engine_with_the_fused_conv_is_bit_identical_and_its_mutant_is_not():
     from optimized_stack import load_model
     model = load_model("k3-mini", device="cpu", dtype=torch.bfloat16)
-    prompts = [list(range(1, 12)), list(range(5, 9)), list(range(20, 37))]
-    with torch.no_grad():
-        tokens, rows, events = _engine_run(model, prompts)
-        f_tokens, f_rows, f_events = _engine_run(model, prompts, fused_kda_conv=True)
-        m_tokens, m_rows, _ = _engine_run(model, prompts, fused_kda_conv=True, faults={"mut_fused_conv_stale_window"})
+    tokens, rows, events = engine_run(model, ENGINE_PROMPTS)
+    f_tokens, f_rows, f_events = engine_run(model, ENGINE_PROMPTS, fused_kda_conv=True)
+    _, m_rows, _ = engine_run(model, ENGINE_PROMPTS, fused_kda_conv=True, faults={"mut_fused_conv_stale_window"})
     assert events.get("fast_fused_conv_rows", 0) == 0, "the control fired the fused conv's event"
     assert f_events.get("fast_fused_conv_rows", 0) > 0 and f_events.get("fast_decode_rows", 0) > 0
     assert f_tokens == tokens and f_rows.keys() == rows.keys()
@@ -130,9 +97,7 @@ def test_an_fp32_model_keeps_the_torch_conv_and_says_so_by_its_silent_event():
     (conv_step runs), and the toggle's event stays silent, so its verdict is not a pass there."""
     from optimized_stack import load_model
     model = load_model("k3-mini", device="cpu", dtype=torch.float32)
-    prompts = [list(range(1, 12)), list(range(5, 9))]
-    with torch.no_grad():
-        tokens, rows, _ = _engine_run(model, prompts)
-        f_tokens, f_rows, f_events = _engine_run(model, prompts, fused_kda_conv=True)
+    tokens, rows, _ = engine_run(model, ENGINE_PROMPTS[:2])
+    f_tokens, f_rows, f_events = engine_run(model, ENGINE_PROMPTS[:2], fused_kda_conv=True)
     assert f_events.get("fast_fused_conv_rows", 0) == 0 and f_events.get("fast_decode_rows", 0) > 0
     assert f_tokens == tokens and all(bit_equal(f_rows[k], rows[k]) for k in rows)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_env import DEVICE, MARKS, bit_equal
+from triton_env import DEVICE, ENGINE_PROMPTS, MARKS, bit_equal, engine_run
 
 pytestmark = MARKS
 
@@ -71,13 +71,10 @@ def test_bad_input_is_one_line(mutate, match):
 @pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter form of the engine test (on a GPU the selftest judges it)")
 def test_the_engine_with_the_fused_combine_is_bit_identical_and_fires_its_events():
     from optimized_stack import load_model
-    from test_triton_kda_conv import _engine_run
     model = load_model("k3-mini", device="cpu", dtype=torch.bfloat16)
-    prompts = [list(range(1, 12)), list(range(5, 9)), list(range(20, 37))]
-    with torch.no_grad():
-        tokens, rows, events = _engine_run(model, prompts)
-        f_tokens, f_rows, f_events = _engine_run(model, prompts, fused_moe_combine=True)
-        _, m_rows, _ = _engine_run(model, prompts, fused_moe_combine=True, faults={"mut_fused_combine_drops_last"})
+    tokens, rows, events = engine_run(model, ENGINE_PROMPTS)
+    f_tokens, f_rows, f_events = engine_run(model, ENGINE_PROMPTS, fused_moe_combine=True)
+    _, m_rows, _ = engine_run(model, ENGINE_PROMPTS, fused_moe_combine=True, faults={"mut_fused_combine_drops_last"})
     assert any(not bit_equal(m_rows[k], rows[k]) for k in rows), "the dropped-expert mutant changed no logits row"
     assert events.get("fast_fused_combine_rows", 0) == 0, "the control fired the fused combine's event"
     assert f_events.get("fast_fused_combine_rows", 0) > 0

@@ -59,3 +59,33 @@ def row_mismatches(fn, x: torch.Tensor, ms=MS, dim: int = 0) -> list[str]:
         if not bit_equal(last, full.narrow(0, n - m, m)):
             bad.append(f"last {m}")
     return bad
+
+
+# ---- a decode kernel through the engine (the fused decode toggles' interpreter tests) -------------
+ENGINE_PROMPTS = [list(range(1, 12)), list(range(5, 9)), list(range(20, 37))]
+
+
+def engine_run(model, prompts, **options):
+    """Batched decode of `prompts` (5 new tokens each, arrivals staggered so batches change) with
+    engine `options` on top -> (tokens per request, every logits row by (request, position), the
+    engine's path events)."""
+    from optimized_stack import toggles
+    from optimized_stack.engine.engine import Engine, EngineObserver
+    from optimized_stack.engine.options import EngineOptions, SamplingParams
+
+    class Rows(EngineObserver):
+        def __init__(self):
+            self.rows = {}
+
+        def on_logits(self, request_id, start_pos, rows):
+            self.rows[(request_id, start_pos)] = rows.clone()
+    with toggles.applied(["batched_decode"]) as ap:
+        opts = EngineOptions.from_dict({**ap.engine, "max_num_seqs": len(prompts), "kda_pool_slots": len(prompts),
+                                        **options})
+    cap = Rows()
+    eng = Engine(model, opts, [cap])
+    for i, p in enumerate(prompts):
+        eng.add_request(p, SamplingParams(max_new_tokens=5, ignore_eos=True), request_id=f"r{i}", arrival_step=i % 2)
+    with torch.no_grad():
+        out = eng.run()
+    return {r: o.tokens for r, o in out.items()}, cap.rows, dict(eng.events)

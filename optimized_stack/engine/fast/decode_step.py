@@ -28,6 +28,7 @@ from typing import Iterator
 import torch
 
 from ...config import KDA
+from ...kernels.gpu_reference import interpreting
 from ...model import ops
 from ...model.attn_res import AttnResRead
 from ...model.ops import OPS, OpTable
@@ -67,23 +68,21 @@ class DecodeStep:
                                   mla.num_blocks, model.device)
         self.conv_wrong_row = "mut_fast_conv_wrong_row" in opts.faults
         self.stale_value_tiles = "mut_fast_kda_stale_value_tiles" in opts.faults
-        # fused_kda_conv: the KDA conv as one Triton launch per conv (kernels/kda/conv_step.py);
-        # its bit-for-bit argument holds for bf16 / fp16 activations only
-        # An fp32 model keeps conv_step (the kernel's argument needs a narrower dtype): the toggle's
-        # event then does not fire, so its verdict there is `not exercised`, and the counted stack
-        # (which holds it on every CUDA run) still serves an fp32 model.
+        # fused_kda_conv: the KDA conv as one Triton launch per conv (kernels/kda/conv_step.py). Its
+        # bit-for-bit argument needs a narrower dtype: an fp32 model keeps conv_step, the toggle's
+        # event stays silent (verdict: not exercised), and the counted stack, which holds the toggle
+        # on every CUDA run, still serves it.
         narrow = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
         self.fused_conv = narrow and ("stale_window" if "mut_fused_conv_stale_window" in opts.faults
                                       else opts.fused_kda_conv)
-        if self.fused_conv and model.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
-            raise ValueError("fused_kda_conv is a Triton kernel: it needs a CUDA model (or TRITON_INTERPRET=1)")
         # fused_moe_combine: the static experts' combine as one Triton launch (kernels/moe/combine.py)
         self.experts = (routed_static_fused_slot_order if "mut_fused_combine_slot_order" in opts.faults
                         else routed_static_fused_drop_last if "mut_fused_combine_drops_last" in opts.faults
                         else routed_static_fused if opts.fused_moe_combine else routed_static)
-        if self.experts is not routed_static and model.device.type != "cuda" and \
-                os.environ.get("TRITON_INTERPRET", "0") != "1":
-            raise ValueError("fused_moe_combine is a Triton kernel: it needs a CUDA model (or TRITON_INTERPRET=1)")
+        if (self.fused_conv or self.experts is not routed_static) and model.device.type != "cuda" \
+                and not interpreting():
+            raise ValueError("fused_kda_conv and fused_moe_combine are Triton kernels: they need a CUDA model "
+                             "(or TRITON_INTERPRET=1)")
         self.combine_fused = False    # whether the last traced forward ran the fused combine (its event)
 
     # ---- capturability -------------------------------------------------------------------
