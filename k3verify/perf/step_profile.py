@@ -3,10 +3,14 @@ part (the captured graph replayed alone) and the host's (scheduler, block tables
 the read-back), and the kernels of one eager step ranked by device time.
 
     python -m k3verify.perf.step_profile --out DIR [--batches 1,64,256] [--context 512]
+        [--stacks cuda_graphs,+fused,...] [--prefill 2048]
 
 Writes step_profile.json (per stack and batch: engine step ms, replay ms, eager forward ms, host
-ms = step - replay) and step_kernels.txt (torch.profiler's table for an eager step at each batch).
-Timings are of real copied contexts (fast_bench_setup.seeded_engine), as the benchmark's are.
+ms = step - replay, device activities per eager step and their device ms) and step_kernels.txt
+(torch.profiler's table for an eager step at each batch). Timings are of real copied contexts
+(fast_bench_setup.seeded_engine), as the benchmark's are. --prefill N profiles one engine step that
+prefills an N-token prompt on the counted stack (prefill runs the reference forward: the fast step
+only takes plain decodes), the step that dominates GSM8K's five-shot prompts on the GPU.
 """
 from __future__ import annotations
 
@@ -20,14 +24,31 @@ import torch
 
 from optimized_stack import load_model, toggles
 
+from optimized_stack.engine.engine import Engine
+from optimized_stack.engine.options import SamplingParams
+
+from ..io import atomic_write_text as atomic_write
 from .fast_bench import _options
 from .fast_bench_setup import Donor, cache_tokens_for, seeded_engine, sync
 
+GRAPHS = ("continuous_batching", "projected_kv_cache", "batched_decode", "cuda_graphs")
+FUSED = ("fused_kda_conv", "fused_moe_combine")
 STACKS = {
-    "cuda_graphs": ("continuous_batching", "projected_kv_cache", "batched_decode", "cuda_graphs"),
-    "+moe_grouped_static": ("continuous_batching", "projected_kv_cache", "batched_decode", "cuda_graphs",
-                            "moe_grouped_static"),
+    "cuda_graphs": GRAPHS,
+    # the exact stack with the fused decode kernels (issue 27 item 2): what GSM8K's counted stack runs
+    "+fused": GRAPHS + FUSED,
+    "+moe_grouped_static": GRAPHS + ("moe_grouped_static",),
+    # moe_grouped_static replaces the experts op, combine included: only the conv kernel runs beside it
+    "+moe_grouped_static+fused_conv": GRAPHS + ("moe_grouped_static", "fused_kda_conv"),
 }
+DEFAULT_STACKS = "cuda_graphs,+moe_grouped_static"
+
+
+def device_activities(prof, repeats: int) -> tuple[float, float]:
+    """(device activities per step, their device ms per step) from a profile of `repeats` steps:
+    every kernel, memcpy and memset the device ran, the count the graph replays as well."""
+    acts = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return len(acts) / repeats, sum(e.device_time for e in acts) / 1e3 / repeats
 
 
 def _ms(fn, repeats: int) -> float:
@@ -54,7 +75,7 @@ def profile_cell(model, names, donor: Donor, batch: int, repeats: int, kernels: 
         reqs = list(eng.scheduler.running)
         from optimized_stack.engine.fast.batch import build_meta, padded_size
         meta = build_meta([r.tokens[-1] for r in reqs], [r.num_computed for r in reqs], [r.slot for r in reqs],
-                          fast.step.spare_slot, padded_size(len(reqs)), pin=True).meta
+                          fast.step.spare_slot, padded_size(len(reqs)), pin=model.device.type == "cuda").meta
         # replays and eager forwards write this step's rows again at the same positions: timing only
         replay_ms = _ms(lambda: fast.graphs.run(meta), repeats) if fast.graphs is not None else None
         dev_meta = meta.to(model.device)
@@ -64,13 +85,52 @@ def profile_cell(model, names, donor: Donor, batch: int, repeats: int, kernels: 
             for _ in range(3):
                 fast.step.forward(dev_meta)
             sync()
-        kernels.append(f"==== {'+'.join(names[-1:])} B={batch} ctx={context}: eager step x3 ====\n"
+        kernels.append(f"==== {'+'.join(names)} B={batch} ctx={context}: eager step x3 ====\n"
                        + prof.key_averages().table(sort_by="cuda_time_total", row_limit=30))
+        acts, act_ms = device_activities(prof, 3)
+        fired = {k: v for k, v in eng.events.items() if k.startswith("fast_")}
     del eng
     torch.cuda.empty_cache()
     return {"batch": batch, "context": context, "rows": len(reqs), "step_ms": step_ms, "replay_ms": replay_ms,
             "eager_forward_ms": eager_ms, "host_ms": step_ms - (replay_ms if replay_ms is not None else eager_ms),
-            "tok_s": batch / step_ms * 1e3}
+            "tok_s": batch / step_ms * 1e3, "device_activities_per_step": acts, "device_ms_per_step": act_ms,
+            "events": fired}
+
+
+def profile_prefill(model, names, length: int, kernels: list[str]) -> dict:
+    """One engine step that prefills a `length`-token prompt (token_budget = length), timed warm
+    (a first engine pays the compiles), then profiled."""
+    gen = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, model.config.vocab_size, (length,), generator=gen).tolist()
+
+    def one(profiled: bool):
+        with toggles.applied(list(names)) as ap:
+            opts = _options(ap.engine, {"max_num_seqs": 1, "kda_pool_slots": 1, "token_budget": length,
+                                        "device_cache_tokens": cache_tokens_for(1, length, 8)})
+            eng = Engine(model, opts)
+            eng.add_request(ids, SamplingParams(max_new_tokens=2, ignore_eos=True), request_id="p")
+            sync()
+            t0 = time.perf_counter()
+            if profiled:
+                from torch.profiler import ProfilerActivity, profile
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    eng.step()
+                    sync()
+            else:
+                eng.step()
+                sync()
+            ms = (time.perf_counter() - t0) * 1e3
+            assert eng.metrics.tokens_computed == length, "the step must prefill the whole prompt"
+        return ms, (prof if profiled else None)
+
+    one(False)                                          # compiles, fla's tuning at this length
+    ms = min(one(False)[0] for _ in range(2))
+    _, prof = one(True)
+    acts, act_ms = device_activities(prof, 1)
+    kernels.append(f"==== prefill {length} tokens on {'+'.join(names)} ====\n"
+                   + prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+    return {"prefill_tokens": length, "step_ms": ms, "tok_s": length / ms * 1e3,
+            "device_activities": acts, "device_ms": act_ms}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,21 +140,41 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--stacks", default=DEFAULT_STACKS, help=f"comma list of {', '.join(STACKS)}")
+    ap.add_argument("--prefill", default="", help="prompt lengths whose prefill step to profile (comma list)")
+    ap.add_argument("--prefill-stack", default="+fused", help="the stack whose prefill step is profiled "
+                    "(default +fused: the exact counted stack GSM8K answers on)")
     args = ap.parse_args(argv)
+    stacks = [x for x in args.stacks.split(",") if x]
+    unknown = [x for x in stacks + [args.prefill_stack] if x not in STACKS]
+    if unknown:
+        print(f"error: --stacks: unknown {', '.join(unknown)} (known: {', '.join(STACKS)})", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("error: the step profile needs CUDA; torch.cuda.is_available() is False", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     model = load_model(args.model, device="cuda", dtype=torch.bfloat16)
     donor = Donor.prefill(model, args.context)
-    cells, kernels = [], []
-    for stack, names in STACKS.items():
-        for b in (int(x) for x in args.batches.split(",")):
-            cell = {"stack": stack, **profile_cell(model, names, donor, b, args.repeats, kernels)}
+    cells, prefills, kernels = [], [], []
+
+    def save() -> None:                                 # after every cell: the call's limit is a hard kill
+        atomic_write(args.out / "step_profile.json",
+                     json.dumps({"model": args.model, "cells": cells, "prefill": prefills}, indent=1))
+        atomic_write(args.out / "step_kernels.txt", "\n\n".join(kernels))
+
+    for b in (int(x) for x in args.batches.split(",") if x):
+        for stack in stacks:                            # stacks side by side at each batch
+            cell = {"stack": stack, **profile_cell(model, STACKS[stack], donor, b, args.repeats, kernels)}
             print(json.dumps(cell), flush=True)
             cells.append(cell)
-    (args.out / "step_profile.json").write_text(json.dumps({"model": args.model, "cells": cells}, indent=1))
-    (args.out / "step_kernels.txt").write_text("\n\n".join(kernels))
+            save()
+    for n in (int(x) for x in args.prefill.split(",") if x):
+        cell = {"stack": args.prefill_stack, **profile_prefill(model, STACKS[args.prefill_stack], n, kernels)}
+        print(json.dumps(cell), flush=True)
+        prefills.append(cell)
+        save()
+    save()
     return 0
 
 

@@ -1,0 +1,58 @@
+"""perf/step_profile on the CPU: what its cells and the prefill profile measure, the stacks it
+knows, and its device-activity count (CUDA-only figures, so here only the counting is checked on
+a stand-in profile)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from k3verify.perf import step_profile as sp
+from k3verify.perf.fast_bench_setup import Donor
+from optimized_stack import load_model
+
+BATCHED = ("continuous_batching", "projected_kv_cache", "batched_decode")
+
+
+@pytest.fixture(scope="module")
+def mini():
+    return load_model("k3-mini", device="cpu", dtype=torch.float32)
+
+
+def test_unknown_stack_is_one_line_and_exit_2(tmp_path, capsys):
+    assert sp.main(["--out", str(tmp_path), "--stacks", "cuda_graphs,nope"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nope" in err[0]
+    assert sp.main(["--out", str(tmp_path), "--prefill-stack", "nope"]) == 2
+
+
+def test_every_fused_stack_adds_to_the_graphs_stack():
+    assert set(sp.FUSED) <= set(sp.STACKS["+fused"])
+    for name, names in sp.STACKS.items():
+        assert names[:len(sp.GRAPHS)] == sp.GRAPHS, name
+    # moe_grouped_static replaces the combine the fused kernel would run: only the conv joins it
+    assert "fused_moe_combine" not in sp.STACKS["+moe_grouped_static+fused_conv"]
+
+
+def test_device_activities_count_only_the_device():
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    events = [SimpleNamespace(device_type=cuda, device_time=10.0)] * 6 + \
+             [SimpleNamespace(device_type=cpu, device_time=99.0)] * 4
+    prof = SimpleNamespace(events=lambda: events)
+    assert sp.device_activities(prof, 3) == (2.0, 10.0 * 6 / 1e3 / 3)
+    # negative control: a CPU-only profile has no device activity at all
+    assert sp.device_activities(SimpleNamespace(events=lambda: events[6:]), 1) == (0.0, 0.0)
+
+
+def test_decode_cell_runs_the_fast_step(mini):
+    cell = sp.profile_cell(mini, BATCHED, Donor.prefill(mini, 40), 3, 2, kernels := [])
+    assert cell["rows"] == 3 and cell["replay_ms"] is None          # no graphs on the CPU
+    assert cell["events"].get("fast_decode_rows", 0) > 0, "the fast step did not run"
+    assert "eager step x3" in kernels[0]
+
+
+def test_prefill_cell_prefills_the_whole_prompt_in_one_step(mini):
+    cell = sp.profile_prefill(mini, BATCHED, 96, kernels := [])
+    assert cell["prefill_tokens"] == 96 and cell["tok_s"] > 0
+    assert kernels[0].startswith("==== prefill 96 tokens")
