@@ -1,4 +1,5 @@
-"""MLA kernel toggles (absorbed attention over latent rows, torch's fused SDPA) and their mutant."""
+"""MLA kernel toggles (absorbed attention over latent rows, torch's fused SDPA, FP8 prefill in its cast
+and scaled-GEMM forms) and their mutants."""
 from __future__ import annotations
 
 import functools
@@ -7,6 +8,7 @@ from ...toggles import Contract, Toggle, register
 from ..kda.toggle_defs import APPROX_KERNEL
 from .absorbed import mla_absorbed
 from .fp8_prefill import mla_fp8_prefill
+from .fp8_prefill_scaled import mla_fp8_prefill_scaled
 from .sdpa import sdpa_attention
 
 register(Toggle(
@@ -73,3 +75,30 @@ register(Toggle(
     touches=("logits", "kda_state", "mla_rows"), description="FP8 prefill Q/K/V dequantized with amax/224 "
     "instead of amax/448", caught_by=("drift_budget",), lives_in="mla/mixer",
     ops={"mla_prefill": functools.partial(mla_fp8_prefill, _fault="dequant_scale_x2")}, events=("op:mla_prefill",)))
+
+# FP8 Q K^T through the scaled FP8 GEMM (torch._scaled_mm, row-wise scales; kernels/mla/
+# fp8_prefill_scaled.py), softmax and P @ V as in mla_fp8_prefill. Declared before measuring: the
+# same e4m3 values and scales as mla_fp8_prefill, plus the bf16 output of every score, at most
+# 2^-8 of it (RMS ~2^-9). A score's e4m3 error is ~3.5% (two operands at ~2.5% RMS) of the
+# RMS of its C products, ~3.5% |q||k| / sqrt(C), while bf16's is 2^-8 of the score itself: on a
+# typical score (|s| ~ |q||k| / sqrt(C)) bf16 adds ~1/10 of the e4m3 error, on a key aligned with
+# its query (|s| ~ |q||k|) up to half of it at k3-mini's C = 24 and as much as it at K3's C = 192.
+# Predicted: 1-1.5x mla_fp8_prefill's drift, so its budget (FP8_ATTENTION) unchanged, with the
+# same expected failures of max KL on the near-tie rows where mla_fp8_prefill fails it
+# (multi_length, boundaries). Decode unchanged, so the same touches.
+register(Toggle(
+    name="mla_fp8_prefill_scaled", contract=FP8_ATTENTION, touches=("logits", "kda_state", "mla_rows"),
+    description="MLA prefill scores as a row-scaled FP8 GEMM (torch._scaled_mm: e4m3 Q and K, one "
+                "scale per (token, head) row, bf16 scores); softmax and P @ V on e4m3 V in fp32; "
+                "decode unchanged",
+    ops={"mla_prefill": mla_fp8_prefill_scaled}, events=("op:mla_prefill",)))
+
+# Its wrong-scale mutant: scale_b taken from the wrong rows (key j with key j-1's scale), an
+# off-by-one in the GEMM's column scales.
+register(Toggle(
+    name="mut_mla_fp8_scaled_row_shifted_scale", kind="mutant", mutant_of="mla_fp8_prefill_scaled",
+    contract=FP8_ATTENTION, touches=("logits", "kda_state", "mla_rows"),
+    description="scaled FP8 prefill GEMM with scale_b shifted by one key (key j scaled by key j-1's amax)",
+    caught_by=("drift_budget",), lives_in="mla/mixer",
+    ops={"mla_prefill": functools.partial(mla_fp8_prefill_scaled, _fault="row_shifted_scale")},
+    events=("op:mla_prefill",)))
