@@ -86,7 +86,8 @@ def test_scaled_form_agrees_with_the_cast_form_within_the_bf16_score_bound(prese
         assert ratio.max() > 0.05, f"the bound is loose: the worst row reaches only {float(ratio.max()):.3f} of it"
         # negative control: scale_b off by one key must leave the bound
         shifted = (mla_fp8_prefill_scaled(layer, q, rows, pos, _fault="row_shifted_scale") - cast).abs().amax(-1)
-        assert (shifted > bound).any(), f"{preset}: a row-shifted scale_b stays inside the bound (max {float(shifted.max()):.3g})"
+        assert (shifted > bound).any(), (f"{preset}: a row-shifted scale_b stays inside the bound "
+                                         f"(max {float(shifted.max()):.3g})")
 
 
 # ---- (b) padding to multiples of 16 is exact ----------------------------------------------------

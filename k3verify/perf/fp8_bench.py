@@ -105,7 +105,8 @@ def layers(model) -> tuple[Any, Any]:
     mla = next((L.self_attn for L in model.model.layers if L.kind == MLA), None)
     moe = next((L.block_sparse_moe for L in model.model.layers if hasattr(L, "block_sparse_moe")), None)
     if mla is None or moe is None:
-        raise BadInput(f"the model needs an MLA layer and an MoE layer, got MLA {mla is not None}, MoE {moe is not None}")
+        raise BadInput(f"the model needs an MLA layer and an MoE layer, got MLA {mla is not None}, "
+                       f"MoE {moe is not None}")
     return mla, moe
 
 

@@ -1,5 +1,5 @@
 """FP8 (float8_e4m3fn) with one fp32 scale per row: the storage form the FP8 toggles share
-(moe_fp8_stage2, mla_fp8_prefill, dcp_fp8_allgather).
+(moe_fp8_stage2, mla_fp8_prefill, mla_fp8_prefill_scaled, dcp_fp8_allgather).
 
     scale = amax(|x| over the row) / 448        (448: e4m3fn's largest finite value)
     q     = e4m3(x / scale)                     (round to nearest even; |x / scale| <= 448)
@@ -14,7 +14,8 @@ amax for all rows, the mutants' fault) pushes a small row into the subnormals, w
 relative error grows without bound.
 
 Runs wherever torch casts to float8_e4m3fn (CPU since 2.1, CUDA): the cast is the point of
-these toggles, so the same code is their CUDA form; no scaled GEMM is used.
+these toggles, so the same code is their CUDA form. mla_fp8_prefill_scaled hands `quantize_rows`'
+values and scales to torch._scaled_mm as its row-wise scales (kernels/mla/fp8_prefill_scaled.py).
 
 Faults (seeded mutants only): "dequant_scale_x2" dequantizes with amax/224 (twice the scale
 it quantized with), "per_tensor" uses one scale for the whole tensor, "row_shifted_scale"

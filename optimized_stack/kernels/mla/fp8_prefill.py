@@ -8,10 +8,9 @@ the reference, then Q, K and V each go through e4m3 with one scale per (token, h
 through the reference's blocked attention (on CUDA: its Triton kernel).
 
 What this models is the storage precision of an FP8 prefill kernel: a scaled FP8 GEMM
-(torch._scaled_mm) multiplies exactly these e4m3 values and applies the same scales, and
-differs from this form only in its accumulation order. The scaled-GEMM form is not written
-here: its row-wise scales need bf16 outputs and 16-aligned shapes, and it cannot be run on
-this CPU-only box.
+(torch._scaled_mm) multiplies exactly these e4m3 values and applies the same scales. The
+scaled-GEMM form is fp8_prefill_scaled.py (toggle mla_fp8_prefill_scaled): its row-wise scales
+write bf16 scores, which it adds to this form's error, and it pads to 16-aligned shapes.
 Shape letters: T queries, S cache rows, H heads, C qk head dim, Vd v head dim, R row width.
 """
 from __future__ import annotations

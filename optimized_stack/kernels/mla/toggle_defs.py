@@ -86,6 +86,10 @@ register(Toggle(
 # Predicted: 1-1.5x mla_fp8_prefill's drift, so its budget (FP8_ATTENTION) unchanged, with the
 # same expected failures of max KL on the near-tie rows where mla_fp8_prefill fails it
 # (multi_length, boundaries). Decode unchanged, so the same touches.
+# Measured 2026-12-02 (embedded k3-mini, CPU fp32, scale 0.5; NOTES.md): max KL / mean KL single
+# 0.355 / 0.00815 (cast form 0.356 / 0.00814), multi_length 0.553 / 0.00176 and boundaries 0.844 /
+# 0.00234, FAIL max KL where the cast form fails it (0.552, 0.841); golden/k3-dims single 7.9e-4 /
+# 4.6e-5. As predicted; left as declared.
 register(Toggle(
     name="mla_fp8_prefill_scaled", contract=FP8_ATTENTION, touches=("logits", "kda_state", "mla_rows"),
     description="MLA prefill scores as a row-scaled FP8 GEMM (torch._scaled_mm: e4m3 Q and K, one "
@@ -94,7 +98,11 @@ register(Toggle(
     ops={"mla_prefill": mla_fp8_prefill_scaled}, events=("op:mla_prefill",)))
 
 # Its wrong-scale mutant: scale_b taken from the wrong rows (key j with key j-1's scale), an
-# off-by-one in the GEMM's column scales.
+# off-by-one in the GEMM's column scales (single: mean KL 0.0632, top-1 0.947). Per-tensor scales
+# are not registered, as for the cast form: on the selftest's pick they measured better than per-row
+# (single: mean KL 0.00462, top-1 1.0) and were caught only on multi_length, where the toggle itself
+# fails; tests/test_mla_fp8_scaled.py judges per-row scaling directly. The doubled scale (amax/224)
+# is caught (mean KL 2.44) but the cast form's mutant already seeds that fault in this slot.
 register(Toggle(
     name="mut_mla_fp8_scaled_row_shifted_scale", kind="mutant", mutant_of="mla_fp8_prefill_scaled",
     contract=FP8_ATTENTION, touches=("logits", "kda_state", "mla_rows"),
