@@ -48,6 +48,11 @@ STACK: list[tuple[str, tuple[str, ...]]] = [
     ("continuous_batching", ("continuous_batching",)),
     ("batched_decode", ("projected_kv_cache", "batched_decode")),
     ("cuda_graphs", ("cuda_graphs",)),
+    # the fused decode kernels (exact; held on the H200 at k3-mini's and k3-small's dims, 2026-12-02
+    # session 10). Under moe_grouped_static below, the combine is that toggle's own and the fused
+    # combine does not run: the rows above it still time it
+    ("fused_kda_conv", ("fused_kda_conv",)),
+    ("fused_moe_combine", ("fused_moe_combine",)),
     # the approx rows last, the one whose bf16 contract held first: a row that fails its contract
     # uncounts every row above it (the H200 run of 2026-12-01: mla_absorbed's KL 0.12 in bf16)
     ("moe_grouped_static", ("moe_grouped_static",)),
