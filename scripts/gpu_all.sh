@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # `k3verify all` on the GPU: the one pipeline, with the suite naming its models (e.g. checks/gpu.toml),
 # then the sign-off from its report. Carry .whl (fla-core). Results land in $OUT: report.md,
-# summary.json (seconds per kind, verdicts per model, mutants, localisation), signoff.md and run.tar (the whole run directory: report.json/html, junit.xml, checks/).
+# summary.json (seconds per kind, verdicts per model, mutants, localisation), signoff.md, resume.tar.gz
+# (what --resume needs) and run.tar.gz (the whole run directory: report.json/html, junit.xml, checks/).
 #   SUITE=checks/gpu.toml DTYPE=bfloat16 JOBS=6 bash scripts/gpu_all.sh   (JOBS processes: the work is dispatch-bound)
 #   SUITE=release TIME_LIMIT=480 JOBS=8 bash scripts/gpu_all.sh           (the release gate; carry .whl from scripts/gpu_wheels.sh)
-#   RESUME_TAR=.gpu-resume/run.tar TIME_LIMIT=480 bash scripts/gpu_all.sh  (finish it on the next call; carry .gpu-resume too)
+#   RESUME_TAR=.gpu-resume/resume.tar.gz TIME_LIMIT=480 bash scripts/gpu_all.sh  (finish it on the next call; carry .gpu-resume too)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/k3-gpu-out}
@@ -22,7 +23,7 @@ for dh in ${WARM_DIMS-16:4 128:2 128:8}; do
 done
 wait
 echo "fla warm (${WARM_DIMS-16:4 128:2 128:8}) in $(( $(date +%s) - t0 )) s"
-# RESUME_TAR: an earlier call's run.tar (carried back): finish that run, timed as the sum of its attempts
+# RESUME_TAR: an earlier call's resume.tar.gz or run.tar.gz (carried back): finish that run, timed as the sum of its attempts
 if [ -n "${RESUME_TAR:-}" ]; then
   tar -xf "$RESUME_TAR" -C "$OUT" run
   WHAT=(--resume "$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["run_id"])' "$RUN/plan.json")")
@@ -49,6 +50,11 @@ RUN_ID=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["run_id
 echo "signoff rc=$?"
 cp "$RUN/report.md" "$OUT/" 2>/dev/null
 cp "$RUN/summary.json" "$OUT/summary.json" 2>/dev/null     # k3verify all writes it (suites/summary.py)
-(cd "$OUT" && tar -cf run.tar run all.log signoff.log warm-*.log 2>/dev/null && rm -rf run all.log signoff.log warm-*.log)
+# Two archives, gzipped: resume.tar.gz is what `--resume` reads (plan.json, attempts.json, checks/:
+# a few MB), so a later call can finish the run even when run.tar.gz (the whole run directory with
+# its html and per-toggle reports) is over a file's 16 MiB limit on the way back, as the release
+# run's 30 MB run.tar was (2026-12-02, session 10).
+(cd "$OUT" && tar -czf resume.tar.gz run/plan.json run/attempts.json run/checks \
+   && tar -czf run.tar.gz run all.log signoff.log warm-*.log 2>/dev/null; rm -rf run all.log signoff.log warm-*.log)
 ls -la "$OUT"
 exit $rc

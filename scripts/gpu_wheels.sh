@@ -19,6 +19,9 @@ pip_download lm_eval==0.4.13 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
 # fastapi/uvicorn (the first release run's KVV unit: "No module named 'fastapi'")
 pip_download fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic_core==2.50.5 uvicorn==0.54.0 \
   annotated-types==0.8.0 typing-inspection==0.4.5
+# fastapi 0.165 imports opentelemetry-api and annotated-doc at start-up (the third release run's KVV
+# unit: "No module named 'opentelemetry'"; this list was checked against sys.modules on the CPU only)
+pip_download opentelemetry-api==1.45.2 annotated-doc==0.0.7
 # sdist-only and pure Python: build the wheel here
 "${PIP:-.venv/bin/pip}" wheel -q --no-deps -w .whl word2number==1.1 sqlitedict==2.1.0
 du -sh .whl
