@@ -72,7 +72,8 @@ def test_the_fast_path_is_judged_on_k3_dims_with_a_verdict_of_its_own(tmp_path):
     assert summary["mutants"] == {"k3-dims": {"caught": 3, "total": 3}} and summary["counted"] == ["batched_decode@k3-dims"]
     assert summary["localisation"]["localisation_accuracy"] == 1.0
     assert cli.main(["signoff", "--report", str(run_dir), "--out", str(tmp_path / "signoff.md")]) == 0
-    assert "checks on their own model (same device and dtype): fast-path on k3-dims" in \
+    assert "checks on their own model (same device; the run's dtype unless the model says `:float32` or " \
+           "`:bfloat16`): fast-path on k3-dims" in \
         (tmp_path / "signoff.md").read_text(encoding="utf-8")
 
 

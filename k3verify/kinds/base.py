@@ -73,7 +73,7 @@ class CheckSpec:
         return f"{self.where} ({self.kind}): " if self.where else ""
 
 
-COMMON_KEYS = ("kind", "name", "description", "model")
+COMMON_KEYS = ("kind", "name", "description", "model", "dtype")
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from k3verify.errors import UsageError
 from k3verify.io import ReadError, atomic_write_json, make_dir, read_json
 from k3verify.kinds.base import QUALITY_KINDS, Context, Unit
 from k3verify.report import build_report, write_report
-from k3verify.suites.suite import Suite, expand
+from k3verify.suites.suite import Suite, expand, split_model_spec
 from k3verify.verdict.result import Result, Subject
 from optimized_stack.errors import K3Error
 
@@ -123,8 +123,12 @@ def load_check_models(plan: dict, load_options: dict | None = None,
     from optimized_stack import load_model
     names = sorted({u.model for u in plan_units(plan)
                     if u.model and u.model != plan["model"] and (only is None or only(u))})
-    dtype = getattr(torch, plan.get("dtype", "float32"))
-    return {n: load_model(n, device=plan.get("device", "cpu"), dtype=dtype, **(load_options or {})) for n in names}
+    models = {}
+    for n in names:
+        name, own = split_model_spec(n)             # a check's own dtype, else the run's
+        models[n] = load_model(name, device=plan.get("device", "cpu"),
+                               dtype=getattr(torch, own or plan.get("dtype", "float32")), **(load_options or {}))
+    return models
 
 
 def plan_units(plan: dict) -> list[Unit]:
@@ -212,7 +216,9 @@ def execute(plan: dict, model, run_dir: Path, *, display=None, load_options: dic
             return stack.enter_context(Context(m, model_arg=name, run_dir=run_dir, progress=display,
                                                load_options=load_options, model_id=model_id))
         ctx = context(model, plan["model"], plan.get("model_id"))    # hashed once already: new_plan / check_model
-        contexts = {name: context(m, name) for name, m in load_check_models(plan, load_options, only).items()}
+        # model_arg: the name the kinds load a tokenizer or a served model from (no dtype suffix)
+        contexts = {name: context(m, split_model_spec(name)[0])
+                    for name, m in load_check_models(plan, load_options, only).items()}
         units = plan_units(plan)
         if only is not None:
             mine = [u for u in units if only(u)]
@@ -229,7 +235,7 @@ def execute(plan: dict, model, run_dir: Path, *, display=None, load_options: dic
                 t0 = time.perf_counter()
                 if unit.model and unit.model != plan["model"] and unit.model not in contexts:   # stolen
                     (m,) = load_check_models(plan, load_options, lambda u, name=unit.model: u.model == name).values()
-                    contexts[unit.model] = context(m, unit.model)
+                    contexts[unit.model] = context(m, split_model_spec(unit.model)[0])
                 uctx = contexts.get(unit.model, ctx) if unit.model else ctx
                 tags = {"unit": unit.id, "suite_check": unit.check, **({"model": unit.model} if unit.model else {})}
                 rows = [r.tag(**tags).to_dict() for r in run_unit(unit, uctx)]

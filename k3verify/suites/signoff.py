@@ -150,7 +150,8 @@ def render_signoff(report: Mapping[str, Any]) -> tuple[str, bool]:
              f"- numerics key (golden hashes): {env.get('numerics_key')}", ""]
     own = [f"{c['name']} on {c['model']}" for c in (report.get("suite") or {}).get("checks", []) if c.get("model")]
     if own:          # checks that name their own model (verdicts `toggle@model`)
-        lines[-1:] = [f"- checks on their own model (same device and dtype): {', '.join(own)}", ""]
+        lines[-1:] = [f"- checks on their own model (same device; the run's dtype unless the model says "
+                      f"`:float32` or `:bfloat16`): {', '.join(own)}", ""]
     lines += [verdict_markdown(report).rstrip(), ""]
     golden = [r for r in results if r["check"] == "golden"]
     if golden:

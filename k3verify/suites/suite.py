@@ -64,6 +64,21 @@ class Suite:
                             **({"model": c.model} if c.model else {})} for c in self.checks]}
 
 
+CHECK_DTYPES = ("float32", "bfloat16")
+
+
+def model_spec(model: str, dtype: str | None) -> str:
+    """A check's model as one key: 'golden/k3-dims' or, with its own dtype, 'golden/k3-dims:float32'
+    (the key of its context, its units and its verdicts: `toggle@golden/k3-dims:float32`)."""
+    return f"{model}:{dtype}" if dtype else model
+
+
+def split_model_spec(spec: str) -> tuple[str, str | None]:
+    """model_spec's inverse: ('golden/k3-dims', 'float32') or ('k3-small', None)."""
+    name, sep, dtype = spec.rpartition(":")
+    return (name, dtype) if sep and dtype in CHECK_DTYPES and name else (spec, None)
+
+
 def builtin_suites() -> list[str]:
     return sorted(p.stem for p in CHECKS_DIR.glob("*.toml"))
 
@@ -114,6 +129,16 @@ def parse_suite(text: str, name: str = "<suite>", path: str = "<string>") -> Sui
         model = c.get("model")
         if model is not None and not (isinstance(model, str) and model.strip()):
             raise UsageError(f"{where}: model must be a preset name or a checkpoint directory, got {model!r}")
+        dtype = c.get("dtype")
+        if dtype is not None:
+            # a check's own dtype (the GPU release suite judges approx mutants in fp32, where their
+            # budget resolves them): its model is loaded in that dtype, as a model of its own
+            if dtype not in CHECK_DTYPES:
+                raise UsageError(f"{where}: dtype must be one of {', '.join(CHECK_DTYPES)}, got {dtype!r}")
+            if model is None:
+                raise UsageError(f"{where}: dtype = {dtype!r} needs the check's own model = \"...\" "
+                                 f"(the run's model is loaded in the run's --dtype)")
+            model = model_spec(model, dtype)
         cname = str(c.get("name") or c["kind"])
         if cname in names:
             cname = f"{cname}-{i}"
