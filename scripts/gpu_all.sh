@@ -50,11 +50,7 @@ RUN_ID=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["run_id
 echo "signoff rc=$?"
 cp "$RUN/report.md" "$OUT/" 2>/dev/null
 cp "$RUN/summary.json" "$OUT/summary.json" 2>/dev/null     # k3verify all writes it (suites/summary.py)
-# Two archives, gzipped: resume.tar.gz is what `--resume` reads (plan.json, attempts.json, checks/:
-# a few MB), so a later call can finish the run even when run.tar.gz (the whole run directory with
-# its html and per-toggle reports) is over a file's 16 MiB limit on the way back, as the release
-# run's 30 MB run.tar was (2026-12-02, session 10).
-(cd "$OUT" && tar -czf resume.tar.gz run/plan.json run/attempts.json run/checks \
-   && tar -czf run.tar.gz run all.log signoff.log warm-*.log 2>/dev/null; rm -rf run all.log signoff.log warm-*.log)
+# resume.tar.gz (what --resume reads) beside run.tar.gz (everything): scripts/pack_run.sh
+bash scripts/pack_run.sh "$OUT" all.log signoff.log 'warm-*.log'
 ls -la "$OUT"
 exit $rc
