@@ -12,3 +12,21 @@ export PYTHONPATH=/tmp/site:$PWD
 export TRITON_CACHE_AUTOTUNING=1
 # no hub on the device: lm-eval's local JSON task data and the datasets cache only
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+# env_log FILE: the GPU and the versions a report names (nvidia-smi; torch, triton, and fla and
+# transformers where importable), written to FILE and printed.
+env_log() {
+  {
+    nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
+    python3 - <<'PY'
+import importlib
+parts = []
+for name in ("torch", "triton", "fla", "transformers"):
+    try:
+        parts.append(f"{name} {importlib.import_module(name).__version__}")
+    except ImportError:
+        parts.append(f"{name} absent")
+print(" ".join(parts))
+PY
+  } > "$1" 2>&1
+  cat "$1"
+}

@@ -27,11 +27,7 @@ OUT=${OUT:-/tmp/k3-fair-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 source scripts/gpu_env.sh     # carried wheels (.whl/) and PYTHONPATH
-{
-  nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
-  python3 -c 'import torch, triton, fla, transformers; print("torch", torch.__version__, "triton", triton.__version__, "fla", fla.__version__, "transformers", transformers.__version__)'
-} > "$OUT/env.log" 2>&1
-cat "$OUT/env.log"
+env_log "$OUT/env.log"
 # shellcheck disable=SC2086
 timeout "${FAIR_TIMEOUT_S:-540}" python3 -m k3verify.perf.fair_bench --out "$OUT" --budget-s "${FAIR_BUDGET_S:-420}" \
   --arms dynamic,masked,static ${FAIR_ARGS:-} > "$OUT/bench.log" 2>&1

@@ -19,11 +19,7 @@ OUT=${OUT:-/tmp/k3-fp8-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 source scripts/gpu_env.sh     # carried wheels (.whl/) and PYTHONPATH
-{
-  nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
-  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(0))'
-} > "$OUT/env.log" 2>&1
-cat "$OUT/env.log"
+env_log "$OUT/env.log"
 t0=$(date +%s)
 # shellcheck disable=SC2086
 timeout "${FP8_TIMEOUT_S:-200}" python3 -m k3verify.perf.fp8_bench --out "$OUT" --device cuda \

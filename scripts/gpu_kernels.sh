@@ -23,11 +23,7 @@ since() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 # gets its own limit or what is left, whichever is less
 DEADLINE=$(( t0 + ${BUDGET_S:-550} ))
 limit() { local left=$(( DEADLINE - $(date +%s) )); echo $(( left < $1 ? (left > 1 ? left : 1) : $1 )); }
-{
-  nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
-  python3 -c 'import torch, triton, fla; print("torch", torch.__version__, "triton", triton.__version__, "fla", fla.__version__)'
-} > "$OUT/logs/env.log" 2>&1
-cat "$OUT/logs/env.log"
+env_log "$OUT/logs/env.log"
 for dh in 16:4 128:8 128:2; do
   python3 scripts/gpu_warm_fla.py "${dh%%:*}" "${dh##*:}" > "$OUT/logs/warm-${dh/:/x}.log" 2>&1 &
 done

@@ -25,6 +25,7 @@ import torch
 
 from k3verify.errors import UsageError
 from k3verify.io import atomic_write_text, make_dir
+from k3verify.perf.cli_args import int_list
 
 from .fair_baseline import FairConfig, Subjects, run_fair_baseline, summary_fields
 
@@ -36,14 +37,7 @@ class BadInput(Exception):
     pass
 
 
-def _ints(s: str) -> list[int]:
-    try:
-        out = [int(x) for x in s.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {s!r}") from None
-    if not out or any(v < 1 for v in out):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {s!r}")
-    return out
+_ints = int_list(1, "positive integers")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

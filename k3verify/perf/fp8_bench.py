@@ -34,6 +34,7 @@ import torch
 
 from k3verify.errors import UsageError
 from k3verify.io import atomic_write_json, make_dir
+from k3verify.perf.cli_args import int_list
 
 from .ab import ABResult, median_ci
 
@@ -51,14 +52,7 @@ class _Parser(argparse.ArgumentParser):
         raise BadInput(message)
 
 
-def _ints(s: str) -> list[int]:
-    try:
-        out = [int(x) for x in s.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {s!r}") from None
-    if not out or any(v < 2 for v in out):
-        raise argparse.ArgumentTypeError(f"expected lengths >= 2 (a prefill has more than one query), got {s!r}")
-    return out
+_ints = int_list(2, "lengths >= 2 (a prefill has more than one query)")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
