@@ -57,6 +57,8 @@ EVENTS = {
                          "(ModelDrafter.propose_many)",
     # engine/fast/decoder.py: the batched decode step and its graphs
     "fast_decode_rows": "a request's decode row ran in the batched decode step (FastDecoder.run)",
+    "prefill_sorted_experts": "a MoE layer of a forward outside the batched decode step ran its routed experts "
+                              "through one sort (engine._sorted_experts)",
     "fast_padded_rows": "the batched decode step ran padding rows up to the ladder size (FastDecoder.run)",
     "graph_replay": "the batched decode step was replayed from a captured CUDA graph (FastDecoder._forward)",
     "fast_kda_value_tiles": "a decode row's KDA recurrence ran more than one 64-wide value tile in the batched "

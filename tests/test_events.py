@@ -35,8 +35,9 @@ def model():
 
 CPU_W1 = [t for t in registry.all_toggles() if "cpu" in t.devices and 1 in t.world_sizes]
 OPTIMIZATIONS = [t for t in CPU_W1 if t.kind == "optimization"]
-# the op slots every forward calls, whatever the scenario: their events cannot be absent
-ALWAYS_CALLED = {"op:linear", "op:attention", "op:attn_res_mix", "op:moe_route"}
+# the op slots every forward calls, whatever the scenario, and the sorted experts every prefill runs
+# (every scenario has one): their events cannot be absent
+ALWAYS_CALLED = {"op:linear", "op:attention", "op:attn_res_mix", "op:moe_route", "prefill_sorted_experts"}
 
 
 def declared_events() -> list[str]:

@@ -24,7 +24,7 @@ def test_unknown_stack_is_one_line_and_exit_2(tmp_path, capsys):
     assert sp.main(["--out", str(tmp_path), "--stacks", "cuda_graphs,nope"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "nope" in err[0]
-    assert sp.main(["--out", str(tmp_path), "--prefill-stack", "nope"]) == 2
+    assert sp.main(["--out", str(tmp_path), "--prefill-stacks", "+fused,nope"]) == 2
 
 
 def test_every_fused_stack_adds_to_the_graphs_stack():
@@ -56,3 +56,7 @@ def test_prefill_cell_prefills_the_whole_prompt_in_one_step(mini):
     cell = sp.profile_prefill(mini, BATCHED, 96, kernels := [])
     assert cell["prefill_tokens"] == 96 and cell["tok_s"] > 0
     assert kernels[0].startswith("==== prefill 96 tokens")
+
+
+def test_the_sorted_stack_is_the_fused_stack_plus_the_sorted_prefill_experts():
+    assert sp.STACKS["+sorted"] == sp.STACKS["+fused"] + ("prefill_sorted_experts",)

@@ -3,14 +3,15 @@ part (the captured graph replayed alone) and the host's (scheduler, block tables
 the read-back), and the kernels of one eager step ranked by device time.
 
     python -m k3verify.perf.step_profile --out DIR [--batches 1,64,256] [--context 512]
-        [--stacks cuda_graphs,+fused,...] [--prefill 2048]
+        [--stacks cuda_graphs,+fused,...] [--prefill 2048] [--prefill-stacks +fused,+sorted]
 
 Writes step_profile.json (per stack and batch: engine step ms, replay ms, eager forward ms, host
 ms = step - replay, device activities per eager step and their device ms) and step_kernels.txt
 (torch.profiler's table for an eager step at each batch). Timings are of real copied contexts
 (fast_bench_setup.seeded_engine), as the benchmark's are. --prefill N profiles one engine step that
-prefills an N-token prompt on the counted stack (prefill runs the reference forward: the fast step
-only takes plain decodes), the step that dominates GSM8K's five-shot prompts on the GPU.
+prefills an N-token prompt on each of --prefill-stacks, side by side (prefill runs the reference
+forward, or with +sorted its routed experts through kernels/moe/sorted.py: the fast step only takes
+plain decodes), the step that dominates GSM8K's five-shot prompts on the GPU.
 """
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ STACKS = {
     "+moe_grouped_static": GRAPHS + ("moe_grouped_static",),
     # moe_grouped_static replaces the experts op, combine included: only the conv kernel runs beside it
     "+moe_grouped_static+fused_conv": GRAPHS + ("moe_grouped_static", "fused_kda_conv"),
+    # the counted stack with prefill's routed experts on one host sync per layer (issue 27 item 3)
+    "+sorted": GRAPHS + FUSED + ("prefill_sorted_experts",),
 }
 DEFAULT_STACKS = "cuda_graphs,+moe_grouped_static"
 
@@ -142,11 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--stacks", default=DEFAULT_STACKS, help=f"comma list of {', '.join(STACKS)}")
     ap.add_argument("--prefill", default="", help="prompt lengths whose prefill step to profile (comma list)")
-    ap.add_argument("--prefill-stack", default="+fused", help="the stack whose prefill step is profiled "
-                    "(default +fused: the exact counted stack GSM8K answers on)")
+    ap.add_argument("--prefill-stacks", default="+fused,+sorted", help="the stacks whose prefill step is "
+                    "profiled, side by side (default: the fused stack, and it with the sorted prefill experts)")
     args = ap.parse_args(argv)
     stacks = [x for x in args.stacks.split(",") if x]
-    unknown = [x for x in stacks + [args.prefill_stack] if x not in STACKS]
+    prefill_stacks = [x for x in args.prefill_stacks.split(",") if x]
+    unknown = [x for x in stacks + prefill_stacks if x not in STACKS]
     if unknown:
         print(f"error: --stacks: unknown {', '.join(unknown)} (known: {', '.join(STACKS)})", file=sys.stderr)
         return 2
@@ -170,10 +174,11 @@ def main(argv: list[str] | None = None) -> int:
             cells.append(cell)
             save()
     for n in (int(x) for x in args.prefill.split(",") if x):
-        cell = {"stack": args.prefill_stack, **profile_prefill(model, STACKS[args.prefill_stack], n, kernels)}
-        print(json.dumps(cell), flush=True)
-        prefills.append(cell)
-        save()
+        for stack in prefill_stacks:                    # side by side at each length
+            cell = {"stack": stack, **profile_prefill(model, STACKS[stack], n, kernels)}
+            print(json.dumps(cell), flush=True)
+            prefills.append(cell)
+            save()
     save()
     return 0
 

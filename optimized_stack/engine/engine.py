@@ -228,7 +228,7 @@ class Engine:
                         if self.spec is not None else contextlib.nullcontext())
             plain = len(batch) > 1 and "mut_batch_plain_linear" in self.opts.faults
             with recording as records, watching, (ops.override(linear=ops.plain_linear) if plain
-                                                  else contextlib.nullcontext()):
+                                                  else contextlib.nullcontext()), self._sorted_experts():
                 outs = self.model.forward_batch(list(zip(ids, states)))
             for (req, (a, b)), st, rows in zip(batch, states, outs):
                 self.metrics.tokens_computed += b - a
@@ -244,6 +244,22 @@ class Engine:
                     req.num_computed = len(req.tokens) - 1          # the seeded fault's jump
                     req.skip_generated = False
         return last
+
+    def _sorted_experts(self) -> contextlib.AbstractContextManager:
+        """Option prefill_sorted_experts: the routed experts of a forward outside the batched decode
+        step with one host sync per layer (kernels/moe/sorted.py, bit-identical to MoE.routed).
+        A toggle's own experts win (grouped, FP8, a mutant): they are what that run judges."""
+        if not self.opts.prefill_sorted_experts or ops.OPS.moe_experts is not None:
+            return contextlib.nullcontext()
+        from ..kernels.moe import sorted as sorted_experts
+        form = (sorted_experts.routed_sorted_weights_unsorted
+                if "mut_sorted_experts_weights_unsorted" in self.opts.faults else sorted_experts.routed_sorted)
+        events = self.events
+
+        def experts(moe, h, idx, w):
+            events.fire("prefill_sorted_experts")
+            return form(moe, h, idx, w)
+        return ops.override(moe_experts=experts)
 
     def _run_fast(self, plan: list[tuple[Request, int]]) -> dict[Request, torch.Tensor]:
         """A step of plain decodes through engine/fast: the step wrote rows and state into the

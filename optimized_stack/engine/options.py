@@ -53,6 +53,8 @@ FAULTS = {
     "mut_graph_stale_input": "a replayed CUDA graph reads last replay's token ids (the input copy is skipped)",
     "mut_fast_kda_stale_value_tiles": "the batched decode step writes back only the first 64-wide value tile "
                                       "of each KDA state (inert while the value head is <= 64)",
+    "mut_sorted_experts_weights_unsorted": "the sorted prefill experts take the routing weights in (row, slot) "
+                                           "order while their outputs are in expert order",
 }
 
 # option -> the option it needs (one line errors name both). The one source of these rules:
@@ -71,6 +73,9 @@ REQUIRES = {
     "cuda_graphs": "batched_decode",
     "fused_kda_conv": "batched_decode",
     "fused_moe_combine": "batched_decode",
+    # not needed by its code (any forward can take it), but it belongs to the counted fast stack
+    # (k3verify/serving/stack.py: the exact toggles that switch the batched decode step on)
+    "prefill_sorted_experts": "batched_decode",
 }
 
 
@@ -120,6 +125,9 @@ class EngineOptions:
     fused_kda_conv: bool = False
     # engine/fast: the static experts' combine as one Triton launch (kernels/moe/combine.py)
     fused_moe_combine: bool = False
+    # the forwards outside the batched decode step (prefill chunks, verifications): routed experts
+    # with one host sync per layer instead of one per expert (kernels/moe/sorted.py), bit-identical
+    prefill_sorted_experts: bool = False
     faults: frozenset[str] = field(default_factory=frozenset)
 
     def __post_init__(self) -> None:

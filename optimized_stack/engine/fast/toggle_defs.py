@@ -91,6 +91,21 @@ _mut("mut_graph_stale_input", "cuda_graphs", "a replayed CUDA graph reads the to
      "replay (the copy into the static input is skipped)", GRAPHS, ("logits", "tokens"), "engine/graphs",
      ("graph_replay",), devices=CUDA)
 
+# exact: the forwards outside the batched decode step (prefill) with the routed experts' rows from
+# one sort, one host sync per MoE layer instead of a `nonzero` per expert, and ~5 launches per
+# active expert instead of ~30 (kernels/moe/sorted.py); the reference's GEMM calls on the same rows
+# in the same order, the activation elementwise, the combine in its order. Any device.
+SORTED = {**BATCHED, "prefill_sorted_experts": True}
+register(Toggle(
+    name="prefill_sorted_experts", contract=EXACT, touches=ALL, engine=SORTED,
+    requires=tuple(r for r in required_options(SORTED) if r != "prefill_sorted_experts"),
+    exercised_by=EXERCISED_BY, events=("prefill_sorted_experts",), phases=("prefill",),
+    description="prefill's routed experts with one host sync per MoE layer: rows from one stable sort by "
+                "expert, the reference's GEMMs on them, the activation once, the combine in its order"))
+_mut("mut_sorted_experts_weights_unsorted", "prefill_sorted_experts", "the sorted prefill experts multiply "
+     "the expert-ordered outputs by routing weights still in (row, slot) order", SORTED, ("logits",),
+     "ops/moe_experts", ("prefill_sorted_experts",))
+
 # approx: the static placement with one batched GEMM per projection over every expert (capturable,
 # unlike moe_grouped, whose capacity is read on the host); judged like moe_grouped
 register(Toggle(
