@@ -219,7 +219,7 @@ def test_fast_is_not_chosen_on_cuda_where_the_reference_is_already_chunked():
     assert needle_gate.choose_fast(108000, True, "cuda") == (True, None)     # asked for, still honoured
 
 
-def _oracle(model, tokenizer, prompt, max_new_tokens=needle_gate.NEEDLE_MAX_NEW_TOKENS):
+def _oracle(model, tokenizer, prompt, max_new_tokens=needle_gate.NEEDLE_MAX_NEW_TOKENS, prefill_chunk=None):
     """Reads the value out of the prompt; loses it whenever the KDA scan is swapped."""
     value = re.search(r"magic numbers for [a-z-]+ is: ([0-9]{7})", prompt).group(1)
     text = value if ops.OPS.kda_prefill is None else "0000000"
@@ -239,7 +239,7 @@ def test_needle_gate_fails_a_cell_the_candidate_forgets(monkeypatch, toggle, ver
 
 def _oracle_found(found_names):
     """Recalls exactly the named cases on the reference path and the others under any toggle."""
-    def generate(model, tokenizer, prompt, max_new_tokens=needle_gate.NEEDLE_MAX_NEW_TOKENS):
+    def generate(model, tokenizer, prompt, max_new_tokens=needle_gate.NEEDLE_MAX_NEW_TOKENS, prefill_chunk=None):
         value = re.search(r"magic numbers for [a-z-]+ is: ([0-9]{7})", prompt).group(1)
         name = next(c.name for c in _ORACLE_CASES if c.prompt == prompt)
         found = (name in found_names) == (ops.OPS.kda_prefill is None)
@@ -249,6 +249,37 @@ def _oracle_found(found_names):
 
 
 _ORACLE_CASES = [c for s in (3, 4) for c in needle.grid([600], [0.5], seed=s)]  # one cell, two samples
+
+
+def test_needle_prefill_chunk_is_the_devices_unless_given(monkeypatch):
+    """512 on the CPU (the SDPA math fallback's [H, chunk, T] scores), 4096 on CUDA (host-bound
+    forwards; the reference MLA kernel holds no scores); both sides get the same chunk."""
+    assert needle_gate.prefill_chunk_for("cpu") == 512 and needle_gate.prefill_chunk_for("cuda") == 4096
+    assert needle_gate.prefill_chunk_for("cuda") % 64 == 0            # cuts stay on the KDA grid
+    seen = []
+
+    def spy(model, tokenizer, prompt, max_new_tokens=needle_gate.NEEDLE_MAX_NEW_TOKENS, prefill_chunk=None):
+        seen.append(prefill_chunk)
+        return _oracle(model, tokenizer, prompt)
+    monkeypatch.setattr(needle_gate, "needle_generate", spy)
+    run = needle_gate.needle_gate(None, None, _ORACLE_CASES, toggle="mla_sdpa")
+    assert seen == [512] * 4 and run.details["prefill_chunk"] == 512
+    seen.clear()
+    needle_gate.needle_gate(None, None, _ORACLE_CASES, toggle="mla_sdpa", prefill_chunk=4096)
+    assert seen == [4096] * 4
+
+
+def test_needle_answer_does_not_depend_on_the_prefill_chunk():
+    """Chunking is exact on the reference path: one forward of the whole prompt or two of 512 give
+    the same decoded text (the prompt is longer than one 512 chunk, so the chunked side did cut)."""
+    from optimized_stack import load_model
+    from optimized_stack.tokenizer import load_tokenizer
+    model, tok = load_model("k3-mini"), load_tokenizer("k3-mini")
+    prompt = _ORACLE_CASES[0].prompt
+    a = needle_gate.needle_generate(model, tok, prompt, prefill_chunk=512)
+    b = needle_gate.needle_generate(model, tok, prompt, prefill_chunk=4096)
+    assert a["prompt_tokens"] > 512 and (a["prefill_chunk"], b["prefill_chunk"]) == (512, 4096)
+    assert a["text"] == b["text"] and a["new_tokens"] == b["new_tokens"] > 0
 
 
 def test_needle_gate_pairs_cases_not_counts(monkeypatch):

@@ -5,7 +5,9 @@ reference on any cell.
 Each cell's prompt (quality/evals/needle.py, lengths in byte-tokenizer tokens) is prefilled,
 then up to 12 tokens are greedy-decoded and the 7-digit value is matched exactly. `fast` runs
 both sides with kda_chunked + mla_sdpa; above 16K tokens that choice is made automatically and
-recorded with its reason. One unit per toggle, or one reference unit when the check names none.
+recorded with its reason. `prefill_chunk` (tokens per prefill forward, both sides) defaults to the
+device's (quality/needle_gate.py prefill_chunk_for: 512 on the CPU, 4096 on CUDA). One unit per
+toggle, or one reference unit when the check names none.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from .base import (CheckSpec, Context, OptionError, Unit, check_fraction, check_
 
 NAME = "needle"
 OPTIONS = {"toggles": None, "lengths": [1024], "depths": [0.5], "seed": 0, "samples": 1, "distractors": 0,
-           "fast": False, "min_recall": None}
+           "fast": False, "min_recall": None, "prefill_chunk": None}
 MAX_LENGTH_TOKENS = 1_048_576
 SHORT_TOKENS = 4096    # below this a length's cases are built while validating: a case has a minimum
                        # (header, question, needles: ~400 tokens); above it no case is that short
@@ -34,6 +36,8 @@ def validate(o: dict) -> None:
     check_int(o["samples"], "samples", 1)
     check_int(o["distractors"], "distractors", 0)
     check_fraction(o["min_recall"], "min_recall")
+    if o["prefill_chunk"] is not None:
+        check_int(o["prefill_chunk"], "prefill_chunk", 1)
     if not isinstance(o["fast"], bool):
         raise OptionError("fast", f"must be true or false, got {o['fast']!r}")
     short = [x for x in lengths if x < SHORT_TOKENS]
@@ -76,5 +80,5 @@ def run(unit: Unit, ctx: Context) -> list[Result]:
         return [Result.skipped(Subject.of(unit.toggle), NAME, skip).tag(gate=NAME)]
     o = unit.options
     gate = needle_gate(ctx.model, load_tokenizer(ctx.model_arg), cases(o), toggle=unit.toggle, fast=o["fast"],
-                       min_recall=o["min_recall"], progress=ctx.progress.done)
+                       min_recall=o["min_recall"], progress=ctx.progress.done, prefill_chunk=o["prefill_chunk"])
     return [r.tag(gate=NAME) for r in gate.results]

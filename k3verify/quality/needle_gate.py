@@ -22,6 +22,18 @@ NEEDLE_MAX_NEW_TOKENS = 12  # a 7-digit value plus a little slack after the answ
 # math fallback for MLA (qk head dim != v head dim), which holds [H, T_q, T] scores; a
 # whole 108K-token prefill in one call was OOM-killed at 22.7 GB on the 24 GiB dev box.
 PREFILL_CHUNK_TOKENS = 512
+# On CUDA the reference MLA is the blocked Triton kernel (kernels/mla/attention.py), which holds no
+# scores, so the chunk only bounds the SDPA candidates' math fallback ([H, 4096, T] at 108K: a few
+# GB on a 141 GB H200). Why larger: a prefill forward is host-bound there (~2,600 launches on
+# k3-mini whatever its length), and the 108K cells took 211 forwards of 512 tokens, ~40 s a side of
+# a needle unit's ~270 s in the H200 release run of 2026-12-02 (golden/reports/gpu-2026-12-02-h200-release-4/).
+# 4096 is a multiple of the 64-token KDA grid, so every cut stays on it.
+PREFILL_CHUNK_TOKENS_CUDA = 4096
+
+
+def prefill_chunk_for(device: str) -> int:
+    """The default prefill chunk on `device` (module constants: memory on the CPU, launches on CUDA)."""
+    return PREFILL_CHUNK_TOKENS_CUDA if device == "cuda" else PREFILL_CHUNK_TOKENS
 
 
 def choose_fast(max_length_tokens: int, fast: bool, device: str = "cpu") -> tuple[bool, str | None]:
@@ -71,7 +83,7 @@ def needle_generate(model, tokenizer, prompt: str, max_new_tokens: int = NEEDLE_
 
 
 def run_needle_cases(model, tokenizer, cases: Sequence, toggle_names: Sequence[str] = (),
-                     progress: Progress | None = None) -> list[dict]:
+                     progress: Progress | None = None, prefill_chunk: int = PREFILL_CHUNK_TOKENS) -> list[dict]:
     """Every case on the model with the named toggles applied; one outcome dict per case."""
     from k3verify.quality.evals import needle
     from optimized_stack import toggles as registry
@@ -79,7 +91,7 @@ def run_needle_cases(model, tokenizer, cases: Sequence, toggle_names: Sequence[s
     out = []
     with registry.applied(list(toggle_names)):
         for case in cases:
-            gen = needle_generate(model, tokenizer, case.prompt)
+            gen = needle_generate(model, tokenizer, case.prompt, prefill_chunk=prefill_chunk)
             found = needle.score(gen["text"], case)
             out.append({"name": case.name, "length_tokens": case.length_tokens,
                         "requested_tokens": case.requested_tokens, "depth": case.depth, "seed": case.seed,
@@ -100,7 +112,7 @@ def _cells(outcomes: list[dict]) -> dict[tuple[int, float], list[dict]]:
 
 def needle_gate(model, tokenizer, cases: Sequence, *, toggle: str | None = None, fast: bool = False,
                 min_recall: float | None = None, alpha: float = 0.05,
-                progress: Progress | None = None) -> GateRun:
+                progress: Progress | None = None, prefill_chunk: int | None = None) -> GateRun:
     """Recall per (length, depth) cell for the reference and, with a toggle, the candidate.
 
     fast (or any case above AUTO_FAST_ABOVE_TOKENS) runs both sides with FAST_TOGGLES on;
@@ -108,6 +120,7 @@ def needle_gate(model, tokenizer, cases: Sequence, *, toggle: str | None = None,
     cell fails when the candidate misses a needle the reference recalled, is inconclusive
     when the reference recalled none (nothing there could be lost), is skipped when the
     toggle is itself in the fast base (both sides ran it), and passes otherwise.
+    Both sides prefill in chunks of `prefill_chunk` tokens (None: prefill_chunk_for the device).
     """
     if not cases:
         raise K3Error("needle_gate needs at least one case, got none")
@@ -116,13 +129,15 @@ def needle_gate(model, tokenizer, cases: Sequence, *, toggle: str | None = None,
     subject = Subject.of_optional(toggle)
     device = next(model.parameters()).device.type if hasattr(model, "parameters") else "cpu"
     fast, auto_reason = choose_fast(max(c.length_tokens for c in cases), fast, device)
+    chunk = prefill_chunk if prefill_chunk is not None else prefill_chunk_for(device)
     base = list(FAST_TOGGLES) if fast else []
     choices = [{"choice": f"toggles {'+'.join(FAST_TOGGLES)} on both sides", "reason": auto_reason}] \
         if auto_reason else []
-    ref = run_needle_cases(model, tokenizer, cases, base, progress)
+    ref = run_needle_cases(model, tokenizer, cases, base, progress, prefill_chunk=chunk)
     cand = None
     if toggle is not None:
-        cand = run_needle_cases(model, tokenizer, cases, list(dict.fromkeys(base + [toggle])), progress)
+        cand = run_needle_cases(model, tokenizer, cases, list(dict.fromkeys(base + [toggle])), progress,
+                                prefill_chunk=chunk)
     ref_cells = _cells(ref)
     cand_cells = _cells(cand) if cand is not None else {}
     results = []
@@ -167,6 +182,6 @@ def needle_gate(model, tokenizer, cases: Sequence, *, toggle: str | None = None,
         extra["accuracy"] = accuracy
         results.append(Result.make(status, subject, "needle", reason,
                                    scenario=f"L{length}-d{round(depth * 100)}", duration_s=seconds, **extra))
-    details = {"fast": fast, "base_toggles": base, "automatic_choices": choices, "toggle": toggle,
+    details = {"fast": fast, "base_toggles": base, "automatic_choices": choices, "toggle": toggle, "prefill_chunk": chunk,
                "min_recall": min_recall, "cells": len(results), "cases": len(cases)}
     return GateRun("needle", results, details)
