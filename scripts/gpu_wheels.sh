@@ -22,6 +22,12 @@ pip_download fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic_core==
 # fastapi 0.165 imports opentelemetry-api and annotated-doc at start-up (the third release run's KVV
 # unit: "No module named 'opentelemetry'"; this list was checked against sys.modules on the CPU only)
 pip_download opentelemetry-api==1.45.2 annotated-doc==0.0.7
+# the served app validates json_schema response formats and tool declarations with jsonschema,
+# imported at request time, not at start-up (the fourth release run's KVV unit: HTTP 500 on every
+# json_schema and tool_choice request, "No module named 'jsonschema'" in the worker log); the
+# modules it pulls in, from sys.modules after `import jsonschema` on the CPU
+pip_download jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 \
+  attrs==26.1.0
 # sdist-only and pure Python: build the wheel here
 "${PIP:-.venv/bin/pip}" wheel -q --no-deps -w .whl word2number==1.1 sqlitedict==2.1.0
 du -sh .whl
