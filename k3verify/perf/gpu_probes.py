@@ -1,0 +1,149 @@
+"""Two questions the fourth H200 release run left (golden/reports/gpu-2026-12-02-h200-release-4/),
+each answered in seconds on the device before anything is changed:
+
+1. `scaled_mm`: which shapes and scalings torch._scaled_mm accepts there. mla_fp8_prefill_scaled
+   raised CUBLAS_STATUS_NOT_SUPPORTED for row-wise e4m3 scales with a bf16 output, even at
+   M = N = 1024, K = 192 (K and N padded to 16 as the CPU tests require). Tried: M, N, K over
+   multiples of 16 and 128, row-wise and tensor-wise scales, bf16 and fp32 outputs; each cell
+   `ok`, or the error's first line.
+2. `kda_fp32`: how far fla's chunk_kda is from fp32 when its inputs are fp32. In fp32 on
+   golden/k3-dims, kda_chunked and kda_fla_recurrent both missed their fp32 budget against the
+   GPU reference by the same figures (max KL 1.4e-5, final KDA state 4.8e-4 of max), as if the
+   reference were the odd one out: its chunk_kda calls tl.dot on fp32 operands, which Triton runs
+   in TF32 unless TRITON_F32_DEFAULT=ieee. Measured: chunk_kda and fused_recurrent_kda against a
+   float64 recurrence at K3's head dims (K = V = 128), in a child process per TRITON_F32_DEFAULT
+   setting (Triton reads it when it compiles, so one process cannot hold both).
+
+    python -m k3verify.perf.gpu_probes --out DIR [--only scaled_mm,kda_fp32]
+Writes DIR/gpu_probes.json (rewritten after each probe). The scaled_mm probe also runs on the CPU
+(torch's CPU _scaled_mm takes any shape), kda_fp32 needs CUDA and fla.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from ..io import atomic_write_text
+
+PROBES = ("scaled_mm", "kda_fp32")
+
+
+def scaled_mm_cells(device: str) -> list[dict]:
+    from optimized_stack.kernels.fp8_rows import quantize_rows
+    out = []
+    for m, n, k in ((1024, 1024, 192), (1024, 1024, 256), (112, 112, 192), (128, 128, 128), (107, 112, 192),
+                    (128, 384, 32), (128, 384, 128)):
+        for scaling in ("rowwise", "tensorwise"):
+            for out_dtype in (torch.bfloat16, torch.float32):
+                cell = {"m": m, "n": n, "k": k, "scaling": scaling, "out": str(out_dtype).replace("torch.", "")}
+                try:
+                    g = torch.Generator(device="cpu").manual_seed(0)
+                    a = torch.randn(m, k, generator=g).to(device)
+                    b = torch.randn(n, k, generator=g).to(device)
+                    a8, sa = quantize_rows(a, 1, per_tensor=scaling == "tensorwise")
+                    b8, sb = quantize_rows(b, 1, per_tensor=scaling == "tensorwise")
+                    if scaling == "tensorwise":
+                        sa, sb = sa.reshape(-1)[:1].reshape(()), sb.reshape(-1)[:1].reshape(())
+                    else:
+                        sa, sb = sa.reshape(m, 1).contiguous(), sb.reshape(1, n).contiguous()
+                    y = torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+                    ref = (a8.float() * sa.reshape(-1, 1) if sa.dim() else a8.float() * sa) @ \
+                          (b8.float() * sb.reshape(-1, 1) if sb.dim() else b8.float() * sb).t()
+                    cell.update(status="ok", max_rel=float((y.float() - ref).abs().max() / ref.abs().max()))
+                except Exception as exc:   # the probe's answer, not a failure of the probe
+                    cell.update(status="error", error=str(exc).splitlines()[0][:300])
+                out.append(cell)
+    return out
+
+
+def kda_fp32_child() -> dict:
+    """In this process's TRITON_F32_DEFAULT: fla's chunk and recurrent KDA in fp32 against float64."""
+    from fla.ops.kda import chunk_kda, fused_recurrent_kda
+    torch.manual_seed(0)
+    b, t, h, d = 1, 512, 2, 128
+    dev = "cuda"
+    q = torch.nn.functional.normalize(torch.randn(b, t, h, d, device=dev), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(b, t, h, d, device=dev), dim=-1)
+    v = torch.randn(b, t, h, d, device=dev)
+    g = -torch.rand(b, t, h, d, device=dev) * 0.1                 # log decay per key channel
+    beta = torch.rand(b, t, h, device=dev)
+    o_ref, s_ref = recurrence_f64(q, k, v, g, beta)
+    out = {"TRITON_F32_DEFAULT": os.environ.get("TRITON_F32_DEFAULT")}
+    got = {}
+    for name, fn in (("chunk_kda", chunk_kda), ("fused_recurrent_kda", fused_recurrent_kda)):
+        o, s = fn(q, k, v, g, beta, scale=d ** -0.5, output_final_state=True)
+        got[name] = (o.double(), s.double())
+        out[name] = {"out_max_rel": float((o.double() - o_ref).abs().max() / o_ref.abs().max()),
+                     "state_max_rel": float((s.double() - s_ref).abs().max() / s_ref.abs().max())}
+    # free of any convention the float64 recurrence might get wrong: the two kernels against each other
+    (oc, sc), (orr, sr) = got["chunk_kda"], got["fused_recurrent_kda"]
+    out["chunk_vs_recurrent"] = {"out_max_rel": float((oc - orr).abs().max() / orr.abs().max()),
+                                 "state_max_rel": float((sc - sr).abs().max() / sr.abs().max())}
+    return out
+
+
+def recurrence_f64(q, k, v, g, beta):
+    """The gated delta rule per token in float64: S <- diag(exp g) S; S += beta k (v - k^T S); o = q^T S * scale."""
+    b, t, h, d = q.shape
+    q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
+    s = torch.zeros(b, h, d, v.shape[-1], dtype=torch.float64, device=q.device)
+    outs = []
+    for i in range(t):
+        s = s * g[:, i].exp().unsqueeze(-1)
+        kv = torch.einsum("bhk,bhkv->bhv", k[:, i], s)
+        s = s + beta[:, i, :, None, None] * k[:, i].unsqueeze(-1) * (v[:, i] - kv).unsqueeze(-2)
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, i] * d ** -0.5, s))
+    return torch.stack(outs, 1), s
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m k3verify.perf.gpu_probes", description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--only", default=",".join(PROBES))
+    ap.add_argument("--kda-child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.kda_child:
+        print(json.dumps(kda_fp32_child()))
+        return 0
+    only = [x for x in args.only.split(",") if x]
+    bad = [x for x in only if x not in PROBES]
+    if bad:
+        print(f"error: --only: unknown probe {bad[0]!r} (known: {', '.join(PROBES)})", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    doc: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__}
+
+    def save() -> None:
+        atomic_write_text(args.out / "gpu_probes.json", json.dumps(doc, indent=1))
+    if "scaled_mm" in only:
+        doc["scaled_mm"] = scaled_mm_cells(device)
+        save()
+    if "kda_fp32" in only:
+        if device != "cuda":
+            doc["kda_fp32"] = {"skipped": "needs CUDA and fla"}
+        else:
+            doc["kda_fp32"] = []
+            for setting in (None, "tf32", "ieee"):
+                env = {k: v for k, v in os.environ.items() if k != "TRITON_F32_DEFAULT"}
+                if setting:
+                    env["TRITON_F32_DEFAULT"] = setting
+                p = subprocess.run([sys.executable, "-m", "k3verify.perf.gpu_probes", "--out", str(args.out),
+                                    "--kda-child"], env=env, capture_output=True, text=True, timeout=400)
+                last = (p.stdout.strip().splitlines() or [""])[-1]
+                doc["kda_fp32"].append(json.loads(last) if p.returncode == 0 and last.startswith("{")
+                                       else {"TRITON_F32_DEFAULT": setting, "error": p.stderr.strip()[-600:]})
+                save()
+    save()
+    print(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
