@@ -380,3 +380,42 @@ def test_gsm8k_kind_on_a_real_model_reuses_the_reference_in_a_second_context(tmp
     inputs = json.loads(f.read_text())["inputs"]
     assert inputs["model_id"].startswith("sha256:") and inputs["model_arg"] == tiny_model
     assert inputs["options"] == {"kind": "gsm8k", "batch": 1, "stack": "reference"}
+
+
+def test_needle_units_in_two_processes_share_the_reference_never_the_candidate(monkeypatch, tmp_path):
+    """As gsm8k's: two toggles' needle units in their own Contexts; the second reads the reference
+    from the run directory and computes its own candidate. Negative control: the second toggle's
+    candidate forgets the needle and its cell fails, which it could not if its answers were the
+    reference's file."""
+    import re
+
+    from k3verify.kinds import needle as needle_kind
+    from k3verify.quality import needle_gate
+
+    plain, calls = _plain_ops(), []
+
+    def fake_generate(model, tokenizer, prompt, max_new_tokens=needle_gate.NEEDLE_MAX_NEW_TOKENS, prefill_chunk=None):
+        side = "ref" if _plain_ops() == plain else "cand"
+        calls.append((model.tag, side, prefill_chunk))
+        value = re.search(r"magic numbers for [a-z-]+ is: ([0-9]{7})", prompt).group(1)
+        text = "0000000" if ops.OPS.moe_route is not None else value        # mut_router_bias_in_weights forgets
+        return {"text": text, "prompt_tokens": len(prompt), "new_tokens": 7, "prefill_chunk": prefill_chunk,
+                "prefill_s": 0.0, "decode_s": 0.0}
+
+    monkeypatch.setattr(needle_gate, "needle_generate", fake_generate)
+    import optimized_stack.tokenizer as tok_mod
+    monkeypatch.setattr(tok_mod, "load_tokenizer", lambda arg: None)
+    run_dir, results = tmp_path / "run", {}
+    opts = {**needle_kind.OPTIONS, "lengths": [600], "depths": [0.2, 0.8]}
+    for worker, toggle in (("a", "gemm_per_shape"), ("b", "mut_router_bias_in_weights")):
+        model = stand_in("preset:k3-mini:seed0")
+        model.tag = worker
+        results[worker] = needle_kind.run(Unit("needle", "n", opts, toggle), Context(model, run_dir=run_dir))
+    assert [(w, s) for w, s, _ in calls].count(("a", "ref")) == 2
+    assert ("b", "ref") not in [(w, s) for w, s, _ in calls], "worker b recomputed the reference"
+    assert [(w, s) for w, s, _ in calls].count(("b", "cand")) == 2, "worker b's candidate was not computed"
+    assert {c for _, _, c in calls} == {512}                            # the CPU's chunk, both sides
+    assert {r["reference_source"] for r in results["a"]} == {"computed"}
+    assert {r["reference_source"] for r in results["b"]} == {"run_dir"}
+    assert all(r.status == "fail" for r in results["b"]), "a forgetting candidate passed"
+    assert all(r.status == "pass" for r in results["a"])

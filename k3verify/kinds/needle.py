@@ -7,10 +7,15 @@ then up to 12 tokens are greedy-decoded and the 7-digit value is matched exactly
 both sides with kda_chunked + mla_sdpa; above 16K tokens that choice is made automatically and
 recorded with its reason. `prefill_chunk` (tokens per prefill forward, both sides) defaults to the
 device's (quality/needle_gate.py prefill_chunk_for: 512 on the CPU, 4096 on CUDA). One unit per
-toggle, or one reference unit when the check names none.
+toggle, or one reference unit when the check names none. The reference side's answers are computed
+once per run and shared by its processes (quality/shared_answers.py), as gsm8k's are: on the H200
+release run of 2026-12-02 every needle unit recomputed the same reference, ~125 s of its ~270 s.
 """
 from __future__ import annotations
 
+import json
+
+from k3verify.quality.needle_gate import NEEDLE_MAX_NEW_TOKENS
 from k3verify.verdict.result import Result, Subject
 
 from .base import (CheckSpec, Context, OptionError, Unit, check_fraction, check_int, check_toggles, device_skip, is_int,
@@ -79,6 +84,36 @@ def run(unit: Unit, ctx: Context) -> list[Result]:
     if skip:
         return [Result.skipped(Subject.of(unit.toggle), NAME, skip).tag(gate=NAME)]
     o = unit.options
-    gate = needle_gate(ctx.model, load_tokenizer(ctx.model_arg), cases(o), toggle=unit.toggle, fast=o["fast"],
-                       min_recall=o["min_recall"], progress=ctx.progress.done, prefill_chunk=o["prefill_chunk"])
-    return [r.tag(gate=NAME) for r in gate.results]
+    tokenizer = load_tokenizer(ctx.model_arg)
+    shared: list = []
+
+    def reference(base: list[str], chunk: int):
+        """The reference side, answered once per run: every toggle's needle unit asks the same
+        prompts of the same reference (quality/shared_answers.py, as gsm8k's reference side)."""
+        answers = remembered(ctx, tokenizer, base, chunk)
+        shared.append(answers)
+        return lambda prompt: json.loads(answers([prompt], NEEDLE_MAX_NEW_TOKENS, [])[0])
+    gate = needle_gate(ctx.model, tokenizer, cases(o), toggle=unit.toggle, fast=o["fast"],
+                       min_recall=o["min_recall"], progress=ctx.progress.done, prefill_chunk=o["prefill_chunk"],
+                       reference=reference)
+    evidence = shared[0].evidence() if shared else None
+    return [r.tag(gate=NAME, reference_source=evidence and evidence["source"], reference_answers=evidence)
+            for r in gate.results]
+
+
+def remembered(ctx: Context, tokenizer, base: list[str], chunk: int):
+    """The reference's answers (needle_generate's dict as JSON text, one per prompt) from this
+    process's memory, the run directory or computed here, keyed by what decides them: the
+    checkpoint, the numerics environment, the base toggles and the prefill chunk."""
+    from k3verify.quality.needle_gate import needle_generate
+    from k3verify.quality.shared_answers import SharedAnswers, reference_identity
+    from optimized_stack import toggles as registry
+
+    def generate(prompts: list[str], max_new_tokens: int, stop: list[str]) -> list[str]:
+        with registry.applied(list(base)):
+            return [json.dumps(needle_generate(ctx.model, tokenizer, p, max_new_tokens, prefill_chunk=chunk))
+                    for p in prompts]
+    options = {"base_toggles": list(base), "prefill_chunk": chunk}
+    return SharedAnswers(generate, ctx.reference_answers, (NAME, id(ctx.model), *sorted((k, str(v)) for k, v in
+                                                                                        options.items())),
+                         run_dir=ctx.run_dir, identity=lambda: reference_identity(ctx, kind=NAME, **options))

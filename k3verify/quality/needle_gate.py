@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from k3verify.quality.gate_run import GateRun, Progress, ci
 from k3verify.verdict.result import Result, Subject
@@ -83,15 +83,19 @@ def needle_generate(model, tokenizer, prompt: str, max_new_tokens: int = NEEDLE_
 
 
 def run_needle_cases(model, tokenizer, cases: Sequence, toggle_names: Sequence[str] = (),
-                     progress: Progress | None = None, prefill_chunk: int = PREFILL_CHUNK_TOKENS) -> list[dict]:
-    """Every case on the model with the named toggles applied; one outcome dict per case."""
+                     progress: Progress | None = None, prefill_chunk: int = PREFILL_CHUNK_TOKENS,
+                     generate: Callable[[str], dict] | None = None) -> list[dict]:
+    """Every case on the model with the named toggles applied; one outcome dict per case.
+    `generate` (prompt -> needle_generate's dict) answers in its place: the reference side shared
+    across a run's processes (kinds/needle.py); it applies its own toggles."""
     from k3verify.quality.evals import needle
     from optimized_stack import toggles as registry
 
     out = []
-    with registry.applied(list(toggle_names)):
+    with registry.applied([] if generate is not None else list(toggle_names)):
         for case in cases:
-            gen = needle_generate(model, tokenizer, case.prompt, prefill_chunk=prefill_chunk)
+            gen = (generate(case.prompt) if generate is not None
+                   else needle_generate(model, tokenizer, case.prompt, prefill_chunk=prefill_chunk))
             found = needle.score(gen["text"], case)
             out.append({"name": case.name, "length_tokens": case.length_tokens,
                         "requested_tokens": case.requested_tokens, "depth": case.depth, "seed": case.seed,
@@ -112,7 +116,8 @@ def _cells(outcomes: list[dict]) -> dict[tuple[int, float], list[dict]]:
 
 def needle_gate(model, tokenizer, cases: Sequence, *, toggle: str | None = None, fast: bool = False,
                 min_recall: float | None = None, alpha: float = 0.05,
-                progress: Progress | None = None, prefill_chunk: int | None = None) -> GateRun:
+                progress: Progress | None = None, prefill_chunk: int | None = None,
+                reference: Callable[[list[str], int], Callable[[str], dict]] | None = None) -> GateRun:
     """Recall per (length, depth) cell for the reference and, with a toggle, the candidate.
 
     fast (or any case above AUTO_FAST_ABOVE_TOKENS) runs both sides with FAST_TOGGLES on;
@@ -121,6 +126,8 @@ def needle_gate(model, tokenizer, cases: Sequence, *, toggle: str | None = None,
     when the reference recalled none (nothing there could be lost), is skipped when the
     toggle is itself in the fast base (both sides ran it), and passes otherwise.
     Both sides prefill in chunks of `prefill_chunk` tokens (None: prefill_chunk_for the device).
+    `reference(base, chunk)` gives the reference side's prompt -> answer function (kinds/needle.py
+    shares it across a run's processes); None answers here. The candidate always answers here.
     """
     if not cases:
         raise K3Error("needle_gate needs at least one case, got none")
@@ -133,7 +140,8 @@ def needle_gate(model, tokenizer, cases: Sequence, *, toggle: str | None = None,
     base = list(FAST_TOGGLES) if fast else []
     choices = [{"choice": f"toggles {'+'.join(FAST_TOGGLES)} on both sides", "reason": auto_reason}] \
         if auto_reason else []
-    ref = run_needle_cases(model, tokenizer, cases, base, progress, prefill_chunk=chunk)
+    ref = run_needle_cases(model, tokenizer, cases, base, progress, prefill_chunk=chunk,
+                           generate=reference(base, chunk) if reference is not None else None)
     cand = None
     if toggle is not None:
         cand = run_needle_cases(model, tokenizer, cases, list(dict.fromkeys(base + [toggle])), progress,
