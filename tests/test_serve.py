@@ -251,3 +251,20 @@ def test_serve_main_refuses_a_bad_port_before_loading():
     from k3verify.serving.lifecycle import serve_main
     with pytest.raises(K3Error, match=r"port must be an integer in \[0, 65535\], got 70000"):
         serve_main(port=70000)
+
+
+def test_an_unexpected_server_error_names_its_cause_in_the_500(client, monkeypatch):
+    """The device's KVV failure, replayed: jsonschema cannot be imported where a json_schema
+    response format is validated. The 500 names the cause, so the verifier's row does; a request
+    that does not reach that code still answers (negative control: the cause is this request's)."""
+    import sys
+    monkeypatch.setitem(sys.modules, "jsonschema", None)        # `import jsonschema` raises ImportError
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
+    r = client.post("/chat/completions", json={"model": "k3-mini", "messages": HI, "max_tokens": 2,
+                                                  "response_format": fmt})
+    assert r.status_code == 500
+    msg = r.json()["error"]["message"]
+    assert msg.startswith("internal error: ") and "jsonschema" in msg, msg
+    assert r.headers["x-k3verify-stack"], "a 500 without the stack header fails KVV's served-stack row"
+    ok = client.post("/chat/completions", json={"model": "k3-mini", "messages": HI, "max_tokens": 2})
+    assert ok.status_code == 200

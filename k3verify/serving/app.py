@@ -36,6 +36,7 @@ format are not enforced.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 
@@ -72,6 +73,36 @@ class StackHeader:
         await self.app(scope, receive, send_with_header)
 
 
+class InternalErrors:
+    """ASGI middleware: an exception raised before the response started becomes a JSON 500 that
+    names it, logged with its traceback, and is not re-raised. Why: the fourth H200 release run's
+    KVV rows read only "Internal Server Error" (or a connection reset: uvicorn closes the connection
+    when an app raises after a response went out, which starlette's handler path does), and the
+    cause, jsonschema missing on the device, sat in a worker log that did not come back. A loopback
+    verification server has nothing to hide from its own client."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracking(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+        try:
+            await self.app(scope, receive, tracking)
+        except Exception as exc:
+            if started:                  # a stream cut mid-way: nothing left to answer with
+                raise
+            logging.getLogger("k3verify.serve").exception("internal error on %s", scope.get("path"))
+            await JSONResponse(status_code=500, content=error_body(f"internal error: {type(exc).__name__}: {exc}",
+                                                                   500))(scope, receive, send)
+
+
 # ---------------------------------------------------------------------------
 # The app
 # ---------------------------------------------------------------------------
@@ -95,7 +126,8 @@ def create_app(backend: TextBackend, tokenizer, model_name: str = "k3-mini", enf
     def evidence(gen: Generation) -> dict:
         return {"k3verify": {"stack": stack_label, "path_events": dict(sorted(gen.path_events.items()))}}
 
-    app.add_middleware(StackHeader, label=stack_label)
+    app.add_middleware(InternalErrors)
+    app.add_middleware(StackHeader, label=stack_label)        # outermost: the 500 carries the header too
     unit_ids = {chr(b): tokenizer.encode(chr(b))[0] for b in range(32, 127)}
     unit_ids.update({s: tokenizer.token_id(s) for s in tokenizer.specials})
     vocab_size = tokenizer.vocab_size
