@@ -12,10 +12,11 @@ def test_scaled_mm_probe_answers_every_cell_on_the_cpu(tmp_path):
     assert gpu_probes.main(["--out", str(tmp_path), "--only", "scaled_mm,kda_fp32"]) == 0
     doc = json.loads((tmp_path / "gpu_probes.json").read_text())
     cells = doc["scaled_mm"]
-    assert len(cells) == 7 * 2 * 2 and {c["status"] for c in cells} == {"ok"}
+    assert len(cells) == 7 * 2 * 2 + 3 and {c["status"] for c in cells} == {"ok"}
+    assert [c.get("scale_a_offset_floats") for c in cells[-3:]] == [0, 1, 4]
     # fp32 output is the dequantized product in fp32 (a real comparison: bf16 output is not)
     assert all(c["max_rel"] < 1e-6 for c in cells if c["out"] == "float32")
-    assert any(c["max_rel"] > 1e-4 for c in cells if c["out"] == "bfloat16")
+    assert any(c.get("max_rel", 0) > 1e-4 for c in cells if c["out"] == "bfloat16")
     assert doc["kda_fp32"] == {"skipped": "needs CUDA and fla"}
 
 

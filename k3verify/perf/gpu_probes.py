@@ -4,8 +4,9 @@ each answered in seconds on the device before anything is changed:
 1. `scaled_mm`: which shapes and scalings torch._scaled_mm accepts there. mla_fp8_prefill_scaled
    raised CUBLAS_STATUS_NOT_SUPPORTED for row-wise e4m3 scales with a bf16 output, even at
    M = N = 1024, K = 192 (K and N padded to 16 as the CPU tests require). Tried: M, N, K over
-   multiples of 16 and 128, row-wise and tensor-wise scales, bf16 and fp32 outputs; each cell
-   `ok`, or the error's first line.
+   multiples of 16 and 128, row-wise and tensor-wise scales, bf16 and fp32 outputs, and scale_a
+   starting 0, 4 or 16 bytes into its buffer (the failing calls had head h's scales at h*T*4 bytes,
+   T = 107, 375: misaligned; the form now pads T to 4); each cell `ok`, or the error's first line.
 2. `kda_fp32`: how far fla's chunk_kda is from fp32 when its inputs are fp32. In fp32 on
    golden/k3-dims, kda_chunked and kda_fla_recurrent both missed their fp32 budget against the
    GPU reference by the same figures (max KL 1.4e-5, final KDA state 4.8e-4 of max), as if the
@@ -59,6 +60,23 @@ def scaled_mm_cells(device: str) -> list[dict]:
                 except Exception as exc:   # the probe's answer, not a failure of the probe
                     cell.update(status="error", error=str(exc).splitlines()[0][:300])
                 out.append(cell)
+    # the alignment hypothesis: row-wise scale_a as a view starting 4 bytes into its buffer (as head
+    # 1's did at T = 107 before the padding), against the same values in a fresh tensor
+    for offset in (0, 1, 4):
+        cell = {"m": 112, "n": 112, "k": 192, "scaling": "rowwise", "out": "bfloat16", "scale_a_offset_floats": offset}
+        try:
+            a = torch.randn(112, 192).to(device)
+            b = torch.randn(112, 192).to(device)
+            a8, sa = quantize_rows(a, 1)
+            b8, sb = quantize_rows(b, 1)
+            buf = torch.empty(offset + 112, 1, device=device)
+            buf[offset:] = sa.reshape(112, 1)
+            torch._scaled_mm(a8, b8.t(), scale_a=buf[offset:], scale_b=sb.reshape(1, 112).contiguous(),
+                             out_dtype=torch.bfloat16)
+            cell["status"] = "ok"
+        except Exception as exc:
+            cell.update(status="error", error=str(exc).splitlines()[0][:300])
+        out.append(cell)
     return out
 
 

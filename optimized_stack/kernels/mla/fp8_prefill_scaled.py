@@ -82,7 +82,12 @@ def fp8_scaled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_po
     v8 = fp8_roundtrip(v, row_dims=2, fault=v_fault).permute(1, 0, 2)                        # [H, S, Vd]
     q8 = q8.permute(1, 0, 2).contiguous()                               # [H, T, C']: a head's block is row-major
     k8 = k8.permute(1, 0, 2).contiguous()                               # [H, S', C']: .t() is column-major
-    q_scale = q_scale.permute(1, 0, 2).contiguous()                     # [H, T, 1]
+    # each head's scale vectors start 16-byte aligned: T padded to a multiple of 4 fp32 (S' already is
+    # one of 16). Why: on the H200 (torch 2.11, CUDA 13: row-wise scales through cuBLASLt) the fourth
+    # release run got CUBLAS_STATUS_NOT_SUPPORTED at prompt lengths like 107 and 375, where head h's
+    # scale_a started h*T*4 bytes in; a hypothesis (perf/gpu_probes.py's misaligned-scale cells test
+    # it), and harmless either way: the padding rows are never read
+    q_scale = F.pad(q_scale.permute(1, 0, 2), (0, 0, 0, -t_len % 4)).contiguous()   # [H, T4, 1]
     k_scale = k_scale.permute(1, 2, 0).contiguous()                     # [H, 1, S']
     out = torch.empty(t_len, h, vd, dtype=torch.float32, device=q.device)
     for q0 in range(0, t_len, query_block):
@@ -92,7 +97,7 @@ def fp8_scaled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_po
         visible = torch.arange(n_keys, device=q.device).view(1, -1) <= pos.view(-1, 1)   # [t, n]
         for head in range(h):
             s = torch._scaled_mm(q8[head, q0:q0 + query_block], k8[head, :n_gemm].t(),
-                                 scale_a=q_scale[head, q0:q0 + query_block], scale_b=k_scale[head, :, :n_gemm],
+                                 scale_a=q_scale[head, q0:q0 + pos.shape[0]], scale_b=k_scale[head, :, :n_gemm],
                                  out_dtype=torch.bfloat16)              # [t, n_gemm]
             s = s[:, :n_keys].float() * scale
             p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1)           # [t, n]; key 0 always visible
