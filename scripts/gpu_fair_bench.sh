@@ -19,7 +19,8 @@
 # 2. (COMPILED=0 skips) the compiled arm in its own process at B = 64, under its own timeout:
 #    transformers compiles generate()'s decode step with a static cache, a compile of unknown
 #    length that must not cost the measurement above.
-# Results in $OUT (8 files): fair_baseline.json, fair_baseline.partial.json, summary.json, bench.log, env.log,
+# Results in $OUT (8 files): fair_baseline.json, fair_baseline.partial.json, summary.json (with the goals
+# judged, perf/engine_summary.py), bench.log, env.log,
 # compiled/{fair_baseline.json, summary.json, bench.log}. FAIR_ARGS adds flags to step 1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,4 +40,11 @@ if [ "${COMPILED:-1}" = 1 ]; then
     --arms dynamic,static_compiled --prefill 4096 --budget-s 150 > "$OUT/compiled/bench.log" 2>&1
   echo "compiled rc=$?"
   grep -v "falling back" "$OUT/compiled/bench.log" | tail -12
+fi
+# issue 27's goals judged from this call's figures (met / missed / not measured): summary.json
+# becomes the merged superset (perf/engine_summary.py); STEP_PROFILE names a step_profile.json to add
+if [ -f "$OUT/fair_baseline.json" ]; then
+  python3 -m k3verify.perf.engine_summary --out "$OUT/summary.json" --fair "$OUT/fair_baseline.json" \
+    ${STEP_PROFILE:+--step-profile "$STEP_PROFILE"}
+  echo "engine_summary rc=$?"
 fi
