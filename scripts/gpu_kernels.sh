@@ -8,7 +8,9 @@
 #    process (graphs, + the fused kernels, + moe_grouped_static, + moe_grouped_static and the fused
 #    conv): engine step ms, graph replay ms, device activities per step;
 # 3. where a prefill's time goes (issue 27 item 3, GSM8K's five-shot prompts): the prefill step of
-#    a 2,112-token prompt on k3-small, k3-mini and golden/k3-dims, profiled.
+#    a 2,112-token prompt on k3-small, k3-mini and golden/k3-dims, profiled, the fused stack beside
+#    it with prefill_sorted_experts;
+# 4. the capture's overhead on the counted engine (perf/capture_bench.py), into logs.tar.
 # Every stage writes as it goes (the call's limit is a hard kill). Results in $OUT (8 files at most):
 # report.md, summary.json, all.json, step_profile.json, step_kernels.txt, prefill-*.json, logs.tar.
 set -uo pipefail
@@ -49,5 +51,11 @@ for m in k3-mini golden/k3-dims; do
   cat "$OUT/prefill-${m//\//-}/step_kernels.txt" >> "$OUT/logs/prefill-kernels.txt" 2>/dev/null
   rm -rf "$OUT/prefill-${m//\//-}"
 done
+# 4. what the verifier's capture costs the counted engine (issue 27's <= 5% goal), if time is left;
+#    its JSON goes into logs.tar (the call returns 8 files at most)
+timeout "$(limit 90)" python3 -m k3verify.perf.capture_bench --out "$OUT/logs" --model k3-small --batch 64 \
+  --new-tokens 32 --repeats 6 > "$OUT/logs/capture.log" 2>&1
+since "capture bench rc=$?"
+tail -1 "$OUT/logs/capture.log"
 (cd "$OUT" && tar -cf logs.tar logs run && rm -rf logs run)
 ls -la "$OUT"

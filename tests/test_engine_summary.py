@@ -38,8 +38,11 @@ def test_roofline_goal_boundary(value, verdict):
 
 @pytest.mark.parametrize("overhead,verdict", [(0.049, "met"), (0.05, "met"), (0.051, "missed")])
 def test_capture_overhead_is_a_ceiling(overhead, verdict):
-    doc = es.merge(None, None, None, {"overhead": overhead}, ["capture"])
+    doc = es.merge(None, None, None, {"overhead": overhead, "device": "cuda"}, ["capture"])
     assert doc["goals"]["capture_overhead_gpu"]["verdict"] == verdict
+    # the same figure from a CPU run does not judge the GPU goal
+    cpu = es.merge(None, None, None, {"overhead": overhead, "device": "cpu"}, ["capture"])
+    assert cpu["goals"]["capture_overhead_gpu"]["verdict"] == "not measured" and "cpu" in cpu["capture_overhead_note"]
 
 
 def test_agentic_goal_reads_the_c64_row_only():

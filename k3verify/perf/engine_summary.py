@@ -13,8 +13,8 @@ Sources, by field:
 - step profile (perf/step_profile.py): device activities per decode step by stack (kernels_per_step),
   and prefill steps by stack;
 - fast bench (perf/fast_bench.py): the roofline fraction per batch and the agentic sessions;
-- capture: {"overhead": fraction} of the verifier's capture on the GPU engine (not built yet: the
-  goal reads `not measured` until a bench writes it).
+- capture (perf/capture_bench.py): {"overhead": fraction, "device": ...} of the verifier's capture on
+  the engine; only a cuda file's figure judges the GPU goal.
 """
 from __future__ import annotations
 
@@ -69,7 +69,10 @@ def merge(fair: dict | None, step: dict | None, fast: dict | None, capture: dict
     if fast:
         out["roofline_fraction"] = fast.get("roofline_fraction")
         out["agentic"] = fast.get("agentic")
-    out["capture_overhead_gpu"] = _get(capture, "overhead")
+    # a CPU run of the capture bench is a smoke test, not the GPU goal's figure
+    out["capture_overhead_gpu"] = _get(capture, "overhead") if _get(capture, "device") == "cuda" else None
+    if capture is not None and out["capture_overhead_gpu"] is None:
+        out["capture_overhead_note"] = f"the capture file's device is {_get(capture, 'device')!r}, not cuda"
 
     ratio = out.get("ratio_b64_lower95")
     pre, peer = _get(out, "prefill_tok_s", "32768"), None

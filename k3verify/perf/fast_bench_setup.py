@@ -54,10 +54,12 @@ def cache_tokens_for(batch: int, context: int, new_tokens: int, block_size: int 
     return batch * per
 
 
-def seeded_engine(model, opts: EngineOptions, donor: Donor, batch: int, new_tokens: int) -> Engine:
+def seeded_engine(model, opts: EngineOptions, donor: Donor, batch: int, new_tokens: int,
+                  observers: tuple = ()) -> Engine:
     """An engine whose `batch` requests (at most what it runs at once) each hold a copy of the
-    donor's context and its first token, so the next step is a plain decode step."""
-    eng = Engine(model, opts)
+    donor's context and its first token, so the next step is a plain decode step. `observers`
+    (EngineObserver) see its steps, as a verifier's capture does."""
+    eng = Engine(model, opts, observers)
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     for b in range(batch):
         eng.add_request(donor.ids, params, request_id=f"d{b}")

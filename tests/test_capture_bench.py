@@ -1,0 +1,28 @@
+"""perf/capture_bench on the CPU (k3-mini, tiny): both arms run the same decode work, the captured
+arm really hashed the rows (evidence the capture ran), the file is engine_summary's --capture
+input; bad arguments are one line, exit 2. The figure itself is a GPU measurement (NOTES.md)."""
+from __future__ import annotations
+
+import json
+
+from k3verify.perf import capture_bench, engine_summary
+
+
+def test_capture_bench_writes_an_overhead_with_rows_hashed(tmp_path):
+    assert capture_bench.main(["--out", str(tmp_path), "--device", "cpu", "--batch", "2", "--context", "24",
+                               "--new-tokens", "4", "--repeats", "2"]) == 0
+    doc = json.loads((tmp_path / "capture_overhead.json").read_text())
+    assert doc["stack"] == ["batched_decode", "prefill_sorted_experts"] and doc["batch"] == 2
+    assert doc["captured_logits_rows"] >= 2 * 3, "the capture arm hashed no rows: it did not watch the engine"
+    assert isinstance(doc["overhead"], float) and doc["ci95"][0] <= doc["overhead"] <= doc["ci95"][1]
+    merged = engine_summary.merge(None, None, None, doc, ["capture"])
+    assert merged["goals"]["capture_overhead_gpu"]["verdict"] == "not measured"        # a CPU figure
+    as_gpu = engine_summary.merge(None, None, None, {**doc, "device": "cuda"}, ["capture"])
+    assert as_gpu["goals"]["capture_overhead_gpu"]["value"] == doc["overhead"]
+
+
+def test_bad_arguments_are_one_line_and_exit_2(tmp_path, capsys):
+    assert capture_bench.main(["--out", str(tmp_path), "--device", "cpu", "--batch", "0"]) == 2
+    assert capture_bench.main(["--out", str(tmp_path), "--device", "tpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(e.startswith("error: ") for e in err)
