@@ -99,7 +99,9 @@ SORTED = {**BATCHED, "prefill_sorted_experts": True}
 register(Toggle(
     name="prefill_sorted_experts", contract=EXACT, touches=ALL, engine=SORTED,
     requires=tuple(r for r in required_options(SORTED) if r != "prefill_sorted_experts"),
-    exercised_by=EXERCISED_BY, events=("prefill_sorted_experts",), phases=("prefill",),
+    # no `phases`: gpu_suite times op-table forms on the model; this engine option is timed by
+    # perf/step_profile (--prefill-stacks +fused,+sorted), the engine step side by side
+    exercised_by=EXERCISED_BY, events=("prefill_sorted_experts",),
     description="prefill's routed experts with one host sync per MoE layer: rows from one stable sort by "
                 "expert, the reference's GEMMs on them, the activation once, the combine in its order"))
 _mut("mut_sorted_experts_weights_unsorted", "prefill_sorted_experts", "the sorted prefill experts multiply "
