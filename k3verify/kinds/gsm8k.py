@@ -183,9 +183,8 @@ def remembered(generate_fn, ctx: Context, **options):
     ctx.reference_answers; under a run directory (`k3verify all`), answers another process of the
     run computed come from its file, and answers computed here are filed for the others
     (quality/shared_answers.py). `options` are the kind's, which decide the answers too."""
-    from k3verify.quality.shared_answers import SharedAnswers, reference_identity
-    return SharedAnswers(generate_fn, ctx.reference_answers, (NAME, id(ctx.model), *sorted(options.items())),
-                         run_dir=ctx.run_dir, identity=lambda: reference_identity(ctx, kind=NAME, **options))
+    from k3verify.quality.shared_answers import for_context
+    return for_context(generate_fn, ctx, NAME, **options)
 
 
 def endpoint_generate_fn(base_url: str, model_name: str | None, timeout_s: float = 600.0):

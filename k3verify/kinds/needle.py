@@ -106,14 +106,11 @@ def remembered(ctx: Context, tokenizer, base: list[str], chunk: int):
     process's memory, the run directory or computed here, keyed by what decides them: the
     checkpoint, the numerics environment, the base toggles and the prefill chunk."""
     from k3verify.quality.needle_gate import needle_generate
-    from k3verify.quality.shared_answers import SharedAnswers, reference_identity
+    from k3verify.quality.shared_answers import for_context
     from optimized_stack import toggles as registry
 
     def generate(prompts: list[str], max_new_tokens: int, stop: list[str]) -> list[str]:
         with registry.applied(list(base)):
             return [json.dumps(needle_generate(ctx.model, tokenizer, p, max_new_tokens, prefill_chunk=chunk))
                     for p in prompts]
-    options = {"base_toggles": list(base), "prefill_chunk": chunk}
-    return SharedAnswers(generate, ctx.reference_answers, (NAME, id(ctx.model), *sorted((k, str(v)) for k, v in
-                                                                                        options.items())),
-                         run_dir=ctx.run_dir, identity=lambda: reference_identity(ctx, kind=NAME, **options))
+    return for_context(generate, ctx, NAME, base_toggles=list(base), prefill_chunk=chunk)

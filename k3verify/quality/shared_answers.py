@@ -71,6 +71,15 @@ def reference_identity(ctx, **options: Any) -> dict[str, Any]:
             "options": options}
 
 
+def for_context(generate_fn: GenerateFn, ctx, kind: str, **options: Any) -> "SharedAnswers":
+    """A kind's reference side in a unit's Context: keyed in this process by the model object and
+    `options`, across the run by reference_identity (checkpoint, numerics, `options`). The one
+    constructor the quality kinds use (gsm8k, needle)."""
+    memory_key = (kind, id(ctx.model), *sorted((k, repr(v)) for k, v in options.items()))
+    return SharedAnswers(generate_fn, ctx.reference_answers, memory_key, run_dir=ctx.run_dir,
+                         identity=lambda: reference_identity(ctx, kind=kind, **options))
+
+
 class SharedAnswers:
     """A reference generate_fn answering from this process's memory, then from the run
     directory, then by computing (once per run per key); `calls` logs where each call's answers

@@ -85,6 +85,7 @@ class Engine:
         self._emitted: dict[Request, list[int]] = {}       # tokens a verification emitted this step
         # plain decode steps as one static-shape forward (engine/fast), greedy tokens sampled there
         self.fast = FastDecoder(model, self.store, self.opts) if self.opts.batched_decode else None
+        self._sorted_form = self._sorted_experts_form()
         self._sampled: dict[Request, int] = {}
 
     # ---- requests ---------------------------------------------------------------------
@@ -245,12 +246,12 @@ class Engine:
                     req.skip_generated = False
         return last
 
-    def _sorted_experts(self) -> contextlib.AbstractContextManager:
-        """Option prefill_sorted_experts: the routed experts of a forward outside the batched decode
-        step with one host sync per layer (kernels/moe/sorted.py, bit-identical to MoE.routed).
-        A toggle's own experts win (grouped, FP8, a mutant): they are what that run judges."""
-        if not self.opts.prefill_sorted_experts or ops.OPS.moe_experts is not None:
-            return contextlib.nullcontext()
+    def _sorted_experts_form(self):
+        """Option prefill_sorted_experts: the experts op for the forwards outside the batched decode
+        step, one host sync per layer (kernels/moe/sorted.py, bit-identical to MoE.routed), counting
+        its calls; None with the option off. Built once per engine."""
+        if not self.opts.prefill_sorted_experts:
+            return None
         from ..kernels.moe import sorted as sorted_experts
         form = (sorted_experts.routed_sorted_weights_unsorted
                 if "mut_sorted_experts_weights_unsorted" in self.opts.faults else sorted_experts.routed_sorted)
@@ -259,7 +260,14 @@ class Engine:
         def experts(moe, h, idx, w):
             events.fire("prefill_sorted_experts")
             return form(moe, h, idx, w)
-        return ops.override(moe_experts=experts)
+        return experts
+
+    def _sorted_experts(self) -> contextlib.AbstractContextManager:
+        """The sorted experts in the op table for one forward, unless a toggle's own experts hold the
+        slot (grouped, FP8, a mutant): they are what that run judges."""
+        if self._sorted_form is None or ops.OPS.moe_experts is not None:
+            return contextlib.nullcontext()
+        return ops.override(moe_experts=self._sorted_form)
 
     def _run_fast(self, plan: list[tuple[Request, int]]) -> dict[Request, torch.Tensor]:
         """A step of plain decodes through engine/fast: the step wrote rows and state into the
