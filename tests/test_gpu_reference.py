@@ -63,6 +63,39 @@ def test_kda_scan_recurrent_profile_never_chunks(monkeypatch):
     assert [(n, t) for n, t, _ in log] == [("recurrent", 129)]
 
 
+@pytest.mark.parametrize("dtype,calls", [
+    (torch.float32, [("recurrent", 129)]),
+    (torch.bfloat16, [("chunk", 128), ("recurrent", 1)]),
+    (None, [("chunk", 128), ("recurrent", 1)])], ids=["fp32", "bf16", "not-told"])
+def test_kda_scan_of_an_fp32_layer_never_chunks(dtype, calls, monkeypatch):
+    """chunk_kda's fp32 dots are TF32: an fp32 layer's scan must recur every token (fp32 FMAs),
+    a bf16 layer keeps the split; the bf16 and not-told rows are the negative controls."""
+    monkeypatch.delenv(gr.KDA_ENV, raising=False)
+    log: list = []
+    args = _kda_inputs(129)
+    kw = {"chunk": Recorder(log, "chunk"), "recurrent": Recorder(log, "recurrent")}
+    if dtype is None:
+        gr.kda_scan(*args, **kw)
+    else:
+        with gr.kda_activations(dtype):
+            assert gr.kda_form() == ("recurrent" if dtype == torch.float32 else "split")
+            gr.kda_scan(*args, **kw)
+    assert [(n, t) for n, t, _ in log] == calls
+    assert gr.kda_form() == "split", "the dtype must not outlive its block"
+
+
+def test_kda_activations_nest_and_restore():
+    with gr.kda_activations(torch.bfloat16):
+        with gr.kda_activations(torch.float32):
+            assert gr.kda_form() == "recurrent"
+        assert gr.kda_form() == "split"
+    with pytest.raises(RuntimeError):
+        with gr.kda_activations(torch.float32):
+            raise RuntimeError("boom")
+    assert gr.kda_form() == "split", "an exception must not leave the fp32 form behind"
+    assert gr.describe()["kda_fp32"] == "recurrent"
+
+
 def test_kda_scan_rejects_empty_and_unknown_profile(monkeypatch):
     with pytest.raises(K3Error, match="kda_scan: expected at least one token, got T = 0"):
         gr.kda_scan(*_kda_inputs(0), chunk=kda_chunked, recurrent=kda_recurrent)
@@ -220,3 +253,23 @@ def test_cuda_model_prefill_decode_and_batch_are_bit_identical(dtype):
     batched = model.forward_batch([(ids, a), (other, b)])
     assert bit_equal(batched[0], whole), "batched with another request != alone on the GPU profile"
     assert bit_equal(batched[1], model.logits(other))
+
+
+@pytest.mark.gpu
+@needs_fla
+@pytest.mark.parametrize("dtype,chunk_calls", [(torch.float32, 0), (torch.bfloat16, None)], ids=["fp32", "bf16"])
+def test_cuda_fp32_model_never_reaches_chunk_kda(dtype, chunk_calls, monkeypatch):
+    """The wiring of kda_activations: an fp32 model's 128-token prefill never calls fla's chunk
+    kernel (its fp32 dots are TF32); the bf16 model's does (the negative control)."""
+    from optimized_stack import load_model
+    from optimized_stack.kernels.kda import fla
+    calls = []
+    real = fla.fla_chunk
+    monkeypatch.setattr(fla, "fla_chunk", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    monkeypatch.delenv(gr.KDA_ENV, raising=False)
+    model = load_model(device="cuda", dtype=dtype)
+    model.logits(torch.arange(128) % 256)
+    if chunk_calls is None:
+        assert calls and all(t == 128 for t in calls), f"the bf16 prefill should chunk, calls {calls}"
+    else:
+        assert len(calls) == chunk_calls, f"an fp32 prefill reached chunk_kda: {calls}"

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .gpu_reference import needs_autograd  # noqa: F401  (the callers ask the module they got)
+from .gpu_reference import kda_activations, needs_autograd  # noqa: F401  (the callers ask the module they got)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

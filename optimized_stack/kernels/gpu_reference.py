@@ -11,7 +11,7 @@ only then; the CPU path never reaches it (its golden hashes are unchanged):
 | ops.rms_norm, ops.l2_norm, ops.row_sum | kernels/norm/rows.py                 | one program per row, fixed chunks, fp32     |
 | AttnResRead.mix          | kernels/attn_res/read.py                           | one program per token, candidates in order  |
 | mla.blocked_attention    | kernels/mla/attention.py                           | 64-key blocks to the query's causal limit   |
-| kda.kda_scan             | fla chunk_kda on the leading 64-aligned part, fused_recurrent_kda for the T mod 64 tail and for decode | chunk_kda is bitwise across 64-aligned cuts; fused_recurrent_kda gives T tokens in one call == T one-token calls (measured on the H200, NOTES.md) |
+| kda.kda_scan             | bf16 / fp16 activations: fla chunk_kda on the leading 64-aligned part, fused_recurrent_kda for the T mod 64 tail and for decode; fp32 activations: fused_recurrent_kda for every call | chunk_kda is bitwise across 64-aligned cuts; fused_recurrent_kda gives T tokens in one call == T one-token calls (measured on the H200, NOTES.md) |
 
 GEMM (`K3_GPU_GEMM`, read at every call): `auto` (default) runs cuBLAS for bf16 / fp16 and
 the Triton GEMM for fp32; `cublas` and `triton` force one for every dtype. Why auto:
@@ -30,6 +30,15 @@ engine toggles hold on the GPU where their cuts sit on the 64-token grid of the 
 `recurrent` runs every call through fused_recurrent_kda: invariant to any cut, slower for
 long prompts.
 
+An fp32 model's KDA always takes the recurrent form, whatever K3_GPU_KDA says: chunk_kda runs its
+fp32 dots in TF32 (the WY solve explicitly, chunk_intra.SOLVE_TRIL_DOT_PRECISION, the rest by
+Triton's fp32 default), so in an fp32 run it was the one TF32 op of a profile that declares TF32
+off: two independent fp32 KDA forms (torch's chunked closed form and fla's recurrence) agreed
+with each other and missed their fp32 budget against it by the same figures (the fourth H200
+release run). fused_recurrent_kda has no tl.dot: fp32 FMAs only. The layer tells the profile its
+activations' dtype (`kda_activations`, set by KDAttention.forward around the scan); a bf16
+model keeps the split, where TF32 sits far below bf16's own rounding.
+
 Autograd: training calls some of these primitives with autograd on (rms_norm, l2_norm,
 AttnResRead.mix); none of the kernels has a backward, so a call that needs a graph
 (`torch.is_grad_enabled()` and an input that requires grad) takes torch's plain form.
@@ -40,6 +49,7 @@ The launch helpers at the end are shared by the kernels' entry points.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 from typing import Callable, Iterator
 
@@ -76,6 +86,27 @@ def kda_choice() -> str:
     return value
 
 
+# the dtype of the activations of the KDA layer now calling the scan (None: not told, the split)
+_KDA_ACTIVATIONS: contextvars.ContextVar[torch.dtype | None] = contextvars.ContextVar(
+    "k3_kda_activations", default=None)
+
+
+@contextlib.contextmanager
+def kda_activations(dtype: torch.dtype) -> Iterator[None]:
+    """Within the block, kda_scan serves a layer whose activations are `dtype` (fp32: recurrent)."""
+    token = _KDA_ACTIVATIONS.set(dtype)
+    try:
+        yield
+    finally:
+        _KDA_ACTIVATIONS.reset(token)
+
+
+def kda_form() -> str:
+    """'split' or 'recurrent': the KDA form of the call in progress (K3_GPU_KDA, and fp32 -> recurrent)."""
+    choice = kda_choice()
+    return "recurrent" if _KDA_ACTIVATIONS.get() == torch.float32 else choice
+
+
 def describe() -> dict[str, object]:
     """The profile's choices with their reasons, for reports (every automatic choice recorded)."""
     gemm = gemm_choice()
@@ -86,7 +117,9 @@ def describe() -> dict[str, object]:
                                 "invariance check; fp32 cuBLAS is not invariant, so fp32 takes the Triton GEMM",
                         "cublas": f"forced by {GEMM_ENV}=cublas (fp32 cuBLAS is NOT batch-invariant)",
                         "triton": f"forced by {GEMM_ENV}=triton (invariant by construction)"}[gemm],
-        "kda": kda_choice(), "kda_chunk": KDA_CHUNK,
+        "kda": kda_choice(), "kda_chunk": KDA_CHUNK, "kda_fp32": "recurrent",
+        "kda_reason": "fp32 activations take fused_recurrent_kda (fp32 FMAs): chunk_kda's fp32 dots are TF32; "
+                      "bf16 / fp16 take K3_GPU_KDA's form, chunk_kda's TF32 far below bf16's rounding",
         "tf32": False, "reduced_precision_reduction": False,
         "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
         "cublaslt_workspace_size": os.environ.get("CUBLASLT_WORKSPACE_SIZE"),
@@ -179,7 +212,8 @@ def kda_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
 
     The leading T - T mod 64 tokens go through `chunk` (fla chunk_kda), the rest, and every
     one-token decode, through `recurrent` (fla fused_recurrent_kda), the state carried from
-    one to the other. `chunk` / `recurrent` default to fla's; tests pass stand-ins."""
+    one to the other; every token through `recurrent` when kda_form() says so (K3_GPU_KDA=recurrent,
+    or an fp32 layer: see the module docstring). `chunk` / `recurrent` default to fla's; tests pass stand-ins."""
     if chunk is None or recurrent is None:
         from .kda import fla
         chunk = chunk or fla.fla_chunk
@@ -187,7 +221,7 @@ def kda_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     t_len = q.shape[0]
     if t_len == 0:
         raise K3Error("kda_scan: expected at least one token, got T = 0")
-    aligned = 0 if kda_choice() == "recurrent" else t_len - t_len % KDA_CHUNK
+    aligned = 0 if kda_form() == "recurrent" else t_len - t_len % KDA_CHUNK
     state = initial_state
     outs = []
     if aligned:

@@ -215,7 +215,12 @@ class KDAttention(nn.Module):
         q, k, v = self.qkv(x, st)
         g, beta = self.gates(x)
         scan = (OPS.kda_decode if x.shape[0] == 1 else OPS.kda_prefill) or kda_scan
-        o, st.recurrent = scan(q, k, v, g, beta, st.recurrent)
+        if x.is_cuda:
+            # the GPU profile picks its KDA form by the activations' dtype (fp32: no TF32 chunk)
+            with ops.gpu_reference().kda_activations(x.dtype):
+                o, st.recurrent = scan(q, k, v, g, beta, st.recurrent)
+        else:
+            o, st.recurrent = scan(q, k, v, g, beta, st.recurrent)
         return self.output(x, o)
 
 
