@@ -21,9 +21,13 @@ if [ -f .gpu-cache/triton-cache.tar.gz ] && [ ! -f "$TRITON_CACHE_DIR/.k3-restor
   tar -xzf .gpu-cache/triton-cache.tar.gz -C "$TRITON_CACHE_DIR" && touch "$TRITON_CACHE_DIR/.k3-restored"
   echo "triton cache restored: $(find "$TRITON_CACHE_DIR" -type f | wc -l) files"
 fi
-# triton_cache_save DIR: the cache as DIR/triton-cache.tar.gz, when it fits a returned file (16 MiB)
+# triton_cache_save DIR: the cache as DIR/triton-cache.tar.gz, when it fits a returned file (16 MiB).
+# A cache hit reads only each kernel's cubin and its JSON (triton/compiler/compiler.py: CompiledKernel
+# takes the backend's binary; the group lists absolute paths, so the directory is fixed above), so the
+# intermediate stages stay behind: with them the first release call's cache packed to 37 MB.
 triton_cache_save() {
-  tar -czf "$1/triton-cache.tar.gz.part" -C "$TRITON_CACHE_DIR" --exclude .k3-restored . || return 1
+  tar -czf "$1/triton-cache.tar.gz.part" -C "$TRITON_CACHE_DIR" --exclude .k3-restored \
+    --exclude '*.ttir' --exclude '*.ttgir' --exclude '*.llir' --exclude '*.ptx' --exclude '*.source' . || return 1
   if [ "$(stat -c %s "$1/triton-cache.tar.gz.part")" -lt 16000000 ]; then
     mv "$1/triton-cache.tar.gz.part" "$1/triton-cache.tar.gz"
   else

@@ -9,6 +9,15 @@ Signed off exactly when:
 - no toggle was rejected.
 Skipped single results and skipped toggles do not block, but every one is listed under
 open risks with its reason, and a skipped toggle's speedup is never counted.
+
+A release configuration (the suite's `ships`, or `k3verify signoff --ships`) signs what a release
+turns on instead of everything the gate judged. A toggle that ships must be counted (on one model
+at least) and rejected on none. A judged toggle that does not ship may fail or stay undecided: that
+is the gate keeping it off, and the document lists it as off in this release with its reason. What
+still blocks, whatever ships: an errored result (never a verdict), a unit the run did not reach (an
+incomplete run is not the suite), a mutant not caught (the gate is blind to it), a failed or
+undecided row of anything but a non-shipped optimization (the reference, the served endpoint, an
+invariance control), and a suite check skipped as a whole.
 """
 from __future__ import annotations
 
@@ -82,10 +91,73 @@ def report_sha256(report: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(report, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def problems(report: Mapping[str, Any]) -> list[str]:
-    """Why the report cannot be signed off; empty when it can."""
+def configuration(report: Mapping[str, Any], ships: list[str] | tuple[str, ...] | None = None) -> tuple[str, ...] | None:
+    """The configuration a sign-off signs: `ships` when given, else the suite's, else None (all)."""
+    if ships is not None:
+        return tuple(ships)
+    declared = (report.get("suite") or {}).get("ships")
+    return tuple(declared) if declared is not None else None
+
+
+def _not_run(r: Mapping[str, Any]) -> bool:
+    return r["status"] == "inconclusive" and str(r.get("reason", "")).startswith("not run")
+
+
+def _label(v: Mapping[str, Any]) -> str:
+    return v["toggle"] + (f"@{v['model']}" if v.get("model") else "")
+
+
+def configuration_problems(report: Mapping[str, Any], ships: tuple[str, ...]) -> list[str]:
+    """Why `ships` cannot be signed off from this report; empty when it can (module docstring)."""
+    from optimized_stack import toggles as registry
+    optimizations = {t.name for t in registry.all_toggles("optimization")}
+    results = report.get("results", [])
+    out = []
+    errors = [r for r in results if r["status"] == "error"]
+    if errors:
+        out.append(f"{len(errors)} results errored, first {errors[0]['toggle']} / {errors[0]['check']}: "
+                   f"{str(errors[0].get('reason', ''))[:200]}")
+    not_run = [r for r in results if _not_run(r)]
+    if not_run:
+        units = sorted({r.get("unit") or f"{r['toggle']}/{r['check']}" for r in not_run})
+        out.append(f"the run is incomplete: {len(units)} units not run ({str(not_run[0]['reason'])[:160]})")
+    nc = report.get("negative_controls") or {}
+    if nc.get("total") and nc.get("caught", 0) < nc["total"]:
+        out.append(f"{nc['total'] - nc.get('caught', 0)} of {nc['total']} mutants not caught: the gate is blind to them")
+    shipped = set(ships)
+    for r in results:
+        if r["status"] not in ("fail", "inconclusive", "not_exercised") or _not_run(r):
+            continue
+        if r.get("kind") == "optimization" and r["toggle"] in optimizations and r["toggle"] not in shipped:
+            continue       # the gate keeping a toggle that does not ship off: listed, not blocking
+        where = f"{r['toggle']}{'@' + r['model'] if r.get('model') else ''} / {r['check']}" + \
+                (f" / {r['scenario']}" if r.get("scenario") else "")
+        out.append(f"{where}: {r['status']}: {str(r.get('reason', ''))[:200]}")
+    for c in (report.get("suite") or {}).get("checks", []):
+        if c["status"] == "skip":
+            out.append(f"suite check {c['name']!r} ({c['kind']}) skipped as a whole" + (f": {c['reason']}" if c.get("reason") else ""))
+    verdicts: dict[str, list[Mapping[str, Any]]] = {}
+    for v in report.get("verdicts", []):
+        verdicts.setdefault(v["toggle"], []).append(v)
+    for name in ships:
+        vs = verdicts.get(name, [])
+        if not vs:
+            out.append(f"shipped toggle {name}: no verdict in this report (the suite never judged it)")
+            continue
+        out += [f"shipped toggle {_label(v)} rejected: {v['reason']}" for v in vs if v["verdict"] == "rejected"]
+        if not any(v["verdict"] == "counted" for v in vs):
+            out.append(f"shipped toggle {name} counted on no model: " + "; ".join(f"{_label(v)}: {v['reason']}" for v in vs))
+    return list(dict.fromkeys(out))
+
+
+def problems(report: Mapping[str, Any], ships: list[str] | tuple[str, ...] | None = None) -> list[str]:
+    """Why the report cannot be signed off; empty when it can. With a configuration (`ships`, or the
+    suite's), the rules of configuration_problems; without one, every judged toggle must hold."""
     if "suite" not in report or "verdicts" not in report:
         return ["not a `k3verify all` report (no suite or verdicts in it)"]
+    config = configuration(report, ships)
+    if config is not None:
+        return configuration_problems(report, config)
     out = []
     s = report["summary"]
     if s["verdict"] != "pass":
@@ -125,10 +197,30 @@ def _quality_lines(results: list[Mapping[str, Any]]) -> list[str]:
     return lines
 
 
-def render_signoff(report: Mapping[str, Any]) -> tuple[str, bool]:
-    """(Markdown document, signed off?)."""
-    why_not = problems(report)
+def configuration_markdown(report: Mapping[str, Any], ships: tuple[str, ...], source: str) -> list[str]:
+    """'## Release configuration': what ships with its verdicts, and every judged toggle kept off."""
+    verdicts: dict[str, list[Mapping[str, Any]]] = {}
+    for v in report.get("verdicts", []):
+        verdicts.setdefault(v["toggle"], []).append(v)
+    lines = ["## Release configuration", "", f"Signed for these toggles on ({source}); every other judged toggle is off "
+             "in this release.", "", "| ships | verdicts |", "|---|---|"]
+    for name in ships:
+        lines.append(f"| {name} | " + _cell("; ".join(f"{_label(v)}: {v['verdict']}" for v in verdicts.get(name, []))
+                                            or "not judged") + " |")
+    off = [(name, vs) for name, vs in verdicts.items() if name not in ships]
+    if off:
+        lines += ["", "| off in this release | verdict | why |", "|---|---|---|"]
+        for name, vs in sorted(off, key=lambda kv: (min(VERDICT_ORDER.get(v["verdict"], 9) for v in kv[1]), kv[0])):
+            for v in vs:
+                lines.append(f"| {_cell(_label(v))} | {v['verdict']} | {_cell(v['reason'])} |")
+    return lines + [""]
+
+
+def render_signoff(report: Mapping[str, Any], ships: list[str] | tuple[str, ...] | None = None) -> tuple[str, bool]:
+    """(Markdown document, signed off?); `ships` as in problems()."""
+    why_not = problems(report, ships)
     signed = not why_not
+    config = configuration(report, ships)
     env = report.get("environment", {})
     model = env.get("model") or {}
     git = env.get("git") or {}
@@ -152,6 +244,9 @@ def render_signoff(report: Mapping[str, Any]) -> tuple[str, bool]:
     if own:          # checks that name their own model (verdicts `toggle@model`)
         lines[-1:] = [f"- checks on their own model (same device; the run's dtype unless the model says "
                       f"`:float32` or `:bfloat16`): {', '.join(own)}", ""]
+    if config is not None:
+        lines += configuration_markdown(report, config, "`k3verify signoff --ships`" if ships is not None
+                                        else "the suite's `ships`")
     lines += [verdict_markdown(report).rstrip(), ""]
     golden = [r for r in results if r["check"] == "golden"]
     if golden:
@@ -174,6 +269,8 @@ def render_signoff(report: Mapping[str, Any]) -> tuple[str, bool]:
     lines += ["", "## Open risks", ""]
     lines += [f"- {_cell(r)}" for r in risks] or ["- none"]
     lines += ["", "## Decision", ""]
-    lines += [f"- blocks sign-off: {_cell(p)}" for p in why_not] or ["- every check the suite requires passed"]
+    lines += [f"- blocks sign-off: {_cell(p)}" for p in why_not] or (
+        [f"- every toggle that ships is counted, every mutant caught, and nothing else failed: signed for "
+         f"{', '.join(config)}"] if config is not None else ["- every check the suite requires passed"])
     lines += ["", "SIGNED-OFF" if signed else "NOT SIGNED-OFF"]
     return "\n".join(lines) + "\n", signed

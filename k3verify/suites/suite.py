@@ -9,6 +9,7 @@ A suite file:
     toggles = "all-exact"            # a selector (all, all-exact, all-approx) or a list of toggle names
     scenarios = ["single"]
     scale = 0.25
+    ships = ["batched_decode", ...]  # optional: the configuration a sign-off of this suite signs
 
 Every key of a check other than kind / name / description is one of its kind's OPTIONS
 (kinds/<kind>.py), and validation is the kind's own: an unknown kind, key, toggle or
@@ -24,6 +25,11 @@ and records on its own (one file per unit, so a resumed run skips finished units
 diff/drift -> one unit per (toggle, scenario); selftest -> one per registry entry;
 gsm8k/needle/bench -> one per toggle (or one reference run when the check names no
 toggles); golden/kvv -> one.
+
+`ships` names the toggles the release turns on (suites/signoff.py): a sign-off then signs that
+configuration, and a toggle the gate rejected or could not decide blocks it only if it ships; without
+`ships` every judged toggle must hold. Declared in the suite, before any run, so the configuration is
+never chosen after reading the verdicts.
 """
 from __future__ import annotations
 
@@ -41,7 +47,7 @@ from k3verify.kinds.base import COMMON_KEYS, CheckSpec, Unit, hint
 
 SUITE_VERSION = 2
 CHECKS_DIR = REPO_ROOT / "checks"
-_TOP_KEYS = ["version", "description", "check", "name"]
+_TOP_KEYS = ["version", "description", "check", "name", "ships"]
 V1_MOVED = ("version 1 passed options as command-line words in `args`; version 2 names each as a key "
             "(gsm8k: num_fewshot, max_new_tokens, smoke, ...; needle: samples, distractors, ...; "
             "bench: workload, scale, repeats): see checks/README.md")
@@ -56,10 +62,12 @@ class Suite:
     path: str
     sha256: str
     text: str
+    ships: tuple[str, ...] | None = None      # the release configuration a sign-off signs (None: all)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "version": self.version, "description": self.description,
                 "path": self.path, "sha256": self.sha256,
+                **({"ships": list(self.ships)} if self.ships is not None else {}),
                 "checks": [{"index": c.index, "kind": c.kind, "name": c.name, "options": dict(c.options),
                             **({"model": c.model} if c.model else {})} for c in self.checks]}
 
@@ -147,7 +155,25 @@ def parse_suite(text: str, name: str = "<suite>", path: str = "<string>") -> Sui
                                 where=where, model=model))
     return Suite(name=str(data.get("name", name)), version=data["version"],
                  description=str(data.get("description", "")), checks=tuple(checks), path=path,
-                 sha256=hashlib.sha256(text.encode()).hexdigest(), text=text)
+                 sha256=hashlib.sha256(text.encode()).hexdigest(), text=text,
+                 ships=parse_ships(data["ships"], f"{path}: ships") if "ships" in data else None)
+
+
+def parse_ships(value: Any, where: str) -> tuple[str, ...]:
+    """A release configuration: a non-empty list of distinct registered optimization toggles."""
+    from optimized_stack import toggles as registry
+    if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, str) and v for v in value):
+        raise UsageError(f"{where}: expected a non-empty list of toggle names, got {value!r}")
+    known = [t.name for t in registry.all_toggles("optimization")]
+    for name in value:
+        if name not in known:
+            mutant = name in {t.name for t in registry.all_toggles("mutant")}
+            raise UsageError(f"{where}: {name!r} is " + ("a mutant, which never ships" if mutant else
+                             f"not a registered optimization toggle{hint(name, known)}"))
+    dup = next((v for i, v in enumerate(value) if v in value[:i]), None)
+    if dup:
+        raise UsageError(f"{where}: {dup!r} is listed twice")
+    return tuple(value)
 
 
 def load_suite(name_or_path: str, device: str = "cpu") -> Suite:
