@@ -133,7 +133,7 @@ def _run_shard(plan: dict, model, run_dir: Path, shard: tuple[int, int], args) -
     from k3verify.suites import run_all
     from k3verify.suites.shards import assign
     i, n = shard
-    mine = assign(run_all.plan_units(plan), n)
+    mine = assign(run_all.plan_units(plan), n, plan.get("priors"))
     _, ran = run_all.execute(plan, model, run_dir, load_options=model_load_options(args),
                              only=lambda u: mine[u.id] == i, deadline=args.deadline, steal=True)
     print(f"shard {i}/{n} of {plan['run_id']}: {ran} units run", file=sys.stderr)
@@ -150,7 +150,7 @@ def _run_jobs(plan: dict, model, run_dir: Path, args) -> int:
     run_all.write_plan(plan, run_dir)
     run_all.check_finished(plan, run_dir)             # a foreign checks file: exit 2 before starting anyone
     units = run_all.plan_units(plan)
-    mine = assign(units, args.jobs)
+    mine = assign(units, args.jobs, plan.get("priors"))
     run_all.clear_claims(run_dir)                     # claims of an earlier attempt: claimable again
     procs = start_workers(plan["run_id"], run_dir, args.jobs, _worker_args(args))
     torch.set_num_threads(threads_per_job(args.jobs))      # the workers' count: one numerics environment

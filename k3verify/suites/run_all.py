@@ -110,7 +110,10 @@ def new_plan(suite: Suite, model_arg: str | None, model, run_id: str, command: s
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "model": model_arg,
             "device": device, "dtype": dtype,
             "model_id": golden.model_id(model), "suite": suite.to_dict(), "suite_text": suite.text,
-            "units": [u.to_dict() for u in expand(suite)]}
+            "units": [u.to_dict() for u in expand(suite)],
+            # measured seconds per unit for the shards' assignment (suites/shards.py), in the plan so
+            # every worker of this run, and a resumed one, assigns from the same figures
+            **({"priors": dict(suite.priors)} if suite.priors else {})}
 
 
 def load_check_models(plan: dict, load_options: dict | None = None,

@@ -10,14 +10,28 @@ still missing (a worker that died costs time, never units) and writes the one re
 Assignment is deterministic (every process computes it from the plan alone): units are grouped
 by (model, scenario), so one process computes each scenario's reference capture once, and the
 groups go largest first to the least loaded shard by the kinds' cost priors (LPT scheduling).
+
+The kinds' priors are seconds on the 2-core dev CPU, and on a GPU their proportions are wrong by
+two orders: on the fifth H200 release run a GSM8K unit's prior was ~8,900 s against 64-400 s
+measured, a k3-small selftest unit's a fraction of its ~100 s, so every shard drew one GSM8K unit
+and the 13 k3-small units and the speculative group piled onto two shards (1,256 and 1,282 s of
+work against a mean of 566 s); idle workers stole them late, each steal paying the model load and
+the reference again (~90 s). A suite may therefore name measured priors (`priors = FILE`, a units.tsv
+of an earlier run on that device, perf/unit_times.py): a unit found there costs its measured
+seconds; one that is not (a new toggle) costs its kind's prior times the median measured/prior ratio
+of its kind's units (of all units when its kind has none). Re-planned from the fifth run's own
+seconds, the largest shard falls from 1,282 s to 767 s (tests/test_jobs.py keeps the rule).
 """
 from __future__ import annotations
 
 import math
 import os
+import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Mapping
 
 from k3verify import kinds
 from k3verify.errors import UsageError
@@ -35,7 +49,35 @@ def parse_shard(text: str) -> tuple[int, int]:
     return i, n
 
 
-def assign(units: list[Unit], n: int) -> dict[str, int]:
+def prior_key(unit_id: str) -> str:
+    """A unit's id without its plan position ('159-gsm8k-synth-moe_fp8_stage2' -> 'gsm8k-synth-
+    moe_fp8_stage2'): stable when a new toggle shifts the numbering."""
+    return re.sub(r"^\d+-", "", unit_id)
+
+
+def unit_costs(units: list[Unit], priors: Mapping[str, float] | None = None) -> dict[str, float]:
+    """unit id -> prior seconds: measured where `priors` (prior_key -> seconds) has the unit, else the
+    kind's prior scaled to the measured ones (module docstring)."""
+    base = {u.id: kinds.cost_s(u) for u in units}
+    if not priors:
+        return base
+    measured = {u.id: float(priors[prior_key(u.id)]) for u in units if prior_key(u.id) in priors}
+    ratios: dict[str, list[float]] = {}
+    for u in units:
+        if u.id in measured and base[u.id] > 0:
+            ratios.setdefault(u.kind, []).append(measured[u.id] / base[u.id])
+    every = [r for rs in ratios.values() for r in rs]
+    out = {}
+    for u in units:
+        if u.id in measured:
+            out[u.id] = measured[u.id]
+        else:
+            rs = ratios.get(u.kind) or every
+            out[u.id] = base[u.id] * (statistics.median(rs) if rs else 1.0)
+    return out
+
+
+def assign(units: list[Unit], n: int, priors: Mapping[str, float] | None = None) -> dict[str, int]:
     """unit id -> shard in [0, n): (model, scenario) groups, largest prior cost first, each to the
     least loaded shard (ties to the lowest index).
 
@@ -43,23 +85,31 @@ def assign(units: list[Unit], n: int) -> dict[str, int]:
     its own group: a quality gate's units (one per toggle, one group: the kind is their scenario)
     would otherwise run one after another in one process while the others idle (measured on the
     H200: 12 needle units, ~150 s each, in one shard). Each part pays for its own reference."""
+    cost_of = unit_costs(units, priors)
     groups: dict[tuple, list[Unit]] = {}
     for u in units:
         groups.setdefault((u.model or "", u.scenario or u.kind), []).append(u)
-    share = sum(kinds.cost_s(u) for u in units) / n
+    share = sum(cost_of.values()) / n
     for key in sorted(groups):
         members = groups[key]
-        cost = sum(kinds.cost_s(u) for u in members)
+        cost = sum(cost_of[u.id] for u in members)
         parts = min(len(members), math.ceil(cost / share)) if share > 0 else 1
         if parts > 1:
             del groups[key]
-            for p in range(parts):   # round-robin in plan order: parts of near-equal cost
-                groups[(*key, p)] = members[p::parts]
+            # parts of near-equal cost: members largest first into the lightest part (a round robin
+            # in plan order put three of golden/k3-dims' longest GSM8K units into one 776 s part)
+            part_of, part_cost = {}, [0.0] * parts
+            for u in sorted(members, key=lambda u: (-cost_of[u.id], u.id)):
+                p = min(range(parts), key=lambda i: (part_cost[i], i))
+                part_of[u.id] = p
+                part_cost[p] += cost_of[u.id]
+            for p in range(parts):   # each part keeps plan order
+                groups[(*key, p)] = [u for u in members if part_of[u.id] == p]
     load = [0.0] * n
     out: dict[str, int] = {}
-    for key in sorted(groups, key=lambda k: (-sum(kinds.cost_s(u) for u in groups[k]), k)):
+    for key in sorted(groups, key=lambda k: (-sum(cost_of[u.id] for u in groups[k]), k)):
         shard = min(range(n), key=lambda s: (load[s], s))
-        load[shard] += sum(kinds.cost_s(u) for u in groups[key])
+        load[shard] += sum(cost_of[u.id] for u in groups[key])
         for u in groups[key]:
             out[u.id] = shard
     return out

@@ -26,6 +26,9 @@ diff/drift -> one unit per (toggle, scenario); selftest -> one per registry entr
 gsm8k/needle/bench -> one per toggle (or one reference run when the check names no
 toggles); golden/kvv -> one.
 
+`priors` names a units.tsv of an earlier run on the suite's device (perf/unit_times.py): measured
+seconds per unit for `all --jobs N`'s assignment (suites/shards.py); scheduling only.
+
 `ships` names the toggles the release turns on (suites/signoff.py): a sign-off then signs that
 configuration, and a toggle the gate rejected or could not decide blocks it only if it ships; without
 `ships` every judged toggle must hold. Declared in the suite, before any run, so the configuration is
@@ -47,7 +50,7 @@ from k3verify.kinds.base import COMMON_KEYS, CheckSpec, Unit, hint
 
 SUITE_VERSION = 2
 CHECKS_DIR = REPO_ROOT / "checks"
-_TOP_KEYS = ["version", "description", "check", "name", "ships"]
+_TOP_KEYS = ["version", "description", "check", "name", "ships", "priors"]
 V1_MOVED = ("version 1 passed options as command-line words in `args`; version 2 names each as a key "
             "(gsm8k: num_fewshot, max_new_tokens, smoke, ...; needle: samples, distractors, ...; "
             "bench: workload, scale, repeats): see checks/README.md")
@@ -63,11 +66,14 @@ class Suite:
     sha256: str
     text: str
     ships: tuple[str, ...] | None = None      # the release configuration a sign-off signs (None: all)
+    priors: dict[str, float] | None = None    # measured seconds per unit (prior_key), for the shards
+    priors_source: dict[str, Any] | None = None   # the priors file: path, sha256, units
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "version": self.version, "description": self.description,
                 "path": self.path, "sha256": self.sha256,
                 **({"ships": list(self.ships)} if self.ships is not None else {}),
+                **({"priors": dict(self.priors_source)} if self.priors_source else {}),
                 "checks": [{"index": c.index, "kind": c.kind, "name": c.name, "options": dict(c.options),
                             **({"model": c.model} if c.model else {})} for c in self.checks]}
 
@@ -156,7 +162,39 @@ def parse_suite(text: str, name: str = "<suite>", path: str = "<string>") -> Sui
     return Suite(name=str(data.get("name", name)), version=data["version"],
                  description=str(data.get("description", "")), checks=tuple(checks), path=path,
                  sha256=hashlib.sha256(text.encode()).hexdigest(), text=text,
-                 ships=parse_ships(data["ships"], f"{path}: ships") if "ships" in data else None)
+                 ships=parse_ships(data["ships"], f"{path}: ships") if "ships" in data else None,
+                 **(load_priors(data["priors"], path) if "priors" in data else {}))
+
+
+def load_priors(value: Any, suite_path: str) -> dict[str, Any]:
+    """`priors = "FILE"` (relative to the suite file): a units.tsv of an earlier run on the device the
+    suite is sized for (perf/unit_times.py); only the shards' assignment reads it, never a verdict."""
+    from k3verify.suites.shards import prior_key
+    where = f"{suite_path}: priors"
+    if not isinstance(value, str) or not value.strip():
+        raise UsageError(f"{where}: expected a path to a units.tsv (perf/unit_times.py), got {value!r}")
+    file = Path(value) if Path(value).is_absolute() else Path(suite_path).parent / value
+    try:
+        raw = file.read_bytes()
+        lines = raw.decode("utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{where}: cannot read {file} ({exc})") from None
+    header = lines[0].split("\t") if lines else []
+    if "unit" not in header or "seconds" not in header:
+        raise UsageError(f"{where}: {file} is not a units.tsv (its first line needs the columns unit and seconds)")
+    iu, isec = header.index("unit"), header.index("seconds")
+    priors: dict[str, float] = {}
+    for n, line in enumerate(lines[1:], 2):
+        cells = line.split("\t")
+        try:
+            seconds = float(cells[isec])
+        except (IndexError, ValueError):
+            raise UsageError(f"{where}: {file} line {n}: expected seconds, got {line[:80]!r}") from None
+        if not seconds >= 0:
+            raise UsageError(f"{where}: {file} line {n}: seconds must be >= 0, got {seconds}")
+        priors[prior_key(cells[iu])] = seconds
+    return {"priors": priors, "priors_source": {"file": value, "sha256": hashlib.sha256(raw).hexdigest(),
+                                                "units": len(priors)}}
 
 
 def parse_ships(value: Any, where: str) -> tuple[str, ...]:
