@@ -6,6 +6,8 @@
 #   SUITE=checks/gpu.toml DTYPE=bfloat16 JOBS=6 bash scripts/gpu_all.sh   (JOBS processes: the work is dispatch-bound)
 #   SUITE=release TIME_LIMIT=480 JOBS=8 bash scripts/gpu_all.sh           (the release gate; carry .whl from scripts/gpu_wheels.sh)
 #   RESUME_TAR=.gpu-resume/resume.tar.gz TIME_LIMIT=480 bash scripts/gpu_all.sh  (finish it on the next call; carry .gpu-resume too)
+#   MPS=1 ...                                                     (the processes share the GPU through CUDA MPS)
+#   carry .gpu-cache too (triton-cache.tar.gz from an earlier call): fla's kernels are not compiled again
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/k3-gpu-out}
@@ -14,6 +16,11 @@ export PYTHONUNBUFFERED=1
 source scripts/gpu_env.sh     # carried wheels (.whl/) and PYTHONPATH
 nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader || true
 RUN="$OUT/run"
+# MPS=1: the run's processes share the GPU through CUDA MPS (gpu_env.sh mps_start; off again, with
+# the reason, when the daemon or a client fails); the report's environment records it (cuda_mps)
+if [ "${MPS:-0}" = 1 ]; then
+  mps_start && trap mps_stop EXIT
+fi
 t0=$(date +%s)
 # fla tunes its KDA kernels on first call; tune each head size once, in parallel, before the workers
 # start (gpu_env.sh keeps the choice on disk for them). WARM_DIMS="" skips it; DIM:HEADS per model
@@ -52,5 +59,6 @@ cp "$RUN/report.md" "$OUT/" 2>/dev/null
 cp "$RUN/summary.json" "$OUT/summary.json" 2>/dev/null     # k3verify all writes it (suites/summary.py)
 # resume.tar.gz (what --resume reads) beside run.tar.gz (everything): scripts/pack_run.sh
 bash scripts/pack_run.sh "$OUT" all.log signoff.log 'warm-*.log'
+triton_cache_save "$OUT"     # the next call carries it as .gpu-cache/ (gpu_env.sh)
 ls -la "$OUT"
 exit $rc

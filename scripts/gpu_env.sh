@@ -55,3 +55,30 @@ PY
   } > "$1" 2>&1
   cat "$1"
 }
+# mps_start / mps_stop: CUDA MPS for the processes this machine starts next (`all --jobs N` runs N
+# CUDA contexts on one GPU, each host-bound and launching small kernels; without MPS the GPU
+# time-slices between contexts, with it their kernels can run side by side). Opt-in (MPS=1 in
+# gpu_all.sh), measured by scripts/gpu_mps_ab.sh before it is anyone's default. A user-space daemon:
+# no clock, power, compute-mode or MIG setting is touched, and mps_stop quits it. Refused, with the
+# reason, when the daemon does not start or a client cannot compute through it; the caller then
+# runs without it.
+mps_start() {
+  command -v nvidia-cuda-mps-control >/dev/null 2>&1 || { echo "mps: nvidia-cuda-mps-control not found; off"; return 1; }
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/k3-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/k3-mps/log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if ! nvidia-cuda-mps-control -d; then
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    echo "mps: the control daemon did not start; off"; return 1
+  fi
+  if ! timeout 120 python3 -c 'import torch; x = torch.ones(1 << 20, device="cuda"); assert int(x.sum()) == 1 << 20'; then
+    mps_stop; echo "mps: a client could not compute through the daemon; off"; return 1
+  fi
+  echo "mps: on ($CUDA_MPS_PIPE_DIRECTORY)"
+}
+mps_stop() {
+  if [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ]; then
+    echo quit | nvidia-cuda-mps-control >/dev/null 2>&1
+    sleep 1
+  fi
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+}

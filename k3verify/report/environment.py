@@ -177,6 +177,9 @@ def environment_fingerprint(model: Any = None, seeds: Sequence[int] | Mapping[st
     }
     if "cuda_device_count" in torch_info:
         env["cuda_device_count"] = torch_info["cuda_device_count"]
+    if os.environ.get("CUDA_MPS_PIPE_DIRECTORY"):
+        # the GPU shared through CUDA MPS (scripts/gpu_env.sh mps_start): timing, never numerics
+        env["cuda_mps"] = os.environ["CUDA_MPS_PIPE_DIRECTORY"]
     try:
         import numpy
         env["numpy"] = numpy.__version__
