@@ -3,9 +3,12 @@
 # release run's default:
 #   run(command="bash scripts/gpu_mps_ab.sh", carry=[".whl", ".gpu-cache"], timeout_s=600)
 # Why: on the fifth H200 release run (golden/reports/gpu-2026-12-04-h200-release-5/) 14 processes
-# shared the GPU. A k3-mini decode step alone keeps the device busy ~10% of its wall clock (session 10's
-# step profile), so 14 such processes ask for more device time than one GPU gives when it serves one
-# context at a time; MPS lets the contexts' small kernels run side by side.
+# shared the GPU. A k3-mini prefill step alone keeps the device busy ~12% of its wall clock (5.4 of
+# 46.7 ms, session 10's step profile), the reference's token-by-token loop no more, so 14 such
+# processes ask for more device time than one GPU gives when it serves one context at a time (and
+# every unit ran several times slower than alone: mut_fast_pad_shares_table on k3-small's
+# multi_length took 13.2 s in a one-process run, golden/reports/gpu-2026-12-02-h200-all/, and 66.0 s
+# beside 13 others here); MPS lets the contexts' small kernels run side by side.
 # Prediction (written before the run): the same units with MPS take 1.5-3x less wall and unit work,
 # every result's status identical (MPS moves timing, never bits: each kernel's arithmetic and launch
 # configuration are its own, the device reports the same SM count to every heuristic).
