@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from k3verify.capture.nonfinite import NonFinite, first_nonfinite
+from k3verify.capture.nonfinite import NonFinite, first_nonfinite, unravel
+from k3verify.compare import device_digest
 from k3verify.compare.tensors import hash_tensor
 from k3verify.io import atomic_write_json
 
@@ -36,14 +37,68 @@ READABLE_VERSIONS = (1, 2)
 KDA_TENSORS = ("recurrent", "conv_q", "conv_k", "conv_v")
 
 
-@dataclass
 class Item:
     """One captured tensor: its hash, its first non-finite element (None: all finite, or
-    not recorded when the capture's finite_checked is False) and, when kept, the tensor."""
+    not recorded when the capture's finite_checked is False) and, when kept, the tensor.
 
-    digest: str
-    tensor: torch.Tensor | None = None
-    nonfinite: NonFinite | None = None
+    A CUDA tensor's item starts pending: its digest and finiteness summary are reductions already
+    launched on the device (compare/device_digest.py), read back with every other pending item of
+    the capture in one transfer the first time any of them is asked for."""
+
+    __slots__ = ("_digest", "tensor", "_nonfinite", "_pending")
+
+    def __init__(self, digest: str | None = None, tensor: torch.Tensor | None = None,
+                 nonfinite: NonFinite | None = None, pending: "_Pending | None" = None):
+        self._digest, self.tensor, self._nonfinite, self._pending = digest, tensor, nonfinite, pending
+
+    @property
+    def digest(self) -> str:
+        if self._pending is not None:
+            self._pending.resolve()
+        return self._digest
+
+    @property
+    def nonfinite(self) -> NonFinite | None:
+        if self._pending is not None:
+            self._pending.resolve()
+        return self._nonfinite
+
+    def __repr__(self) -> str:
+        return f"Item({self.digest!r}, nonfinite={self.nonfinite!r}, kept={self.tensor is not None})"
+
+
+class _Pending:
+    """Device digests and finiteness summaries launched, not yet read: groups of (items, dtype,
+    shape of one item, summary words [k, WORDS]); resolve() reads them all in one transfer."""
+
+    LIMIT = 4096            # groups held before a resolve (their small device tensors, bounded)
+
+    def __init__(self) -> None:
+        self.groups: list[tuple[list[Item], torch.dtype, tuple[int, ...], torch.Tensor, torch.Tensor]] = []
+
+    def add(self, t: torch.Tensor, rows: bool) -> list[Item]:
+        """Items for t (one per leading row when `rows`), their reductions launched on t's device."""
+        words = device_digest.summary_words(t, rows=rows)
+        items = [Item(pending=self) for _ in range(words.shape[0])]
+        self.groups.append((items, t.dtype, tuple(t.shape[1:] if rows else t.shape), words))
+        if len(self.groups) >= self.LIMIT:
+            self.resolve()
+        return items
+
+    def resolve(self) -> None:
+        if not self.groups:
+            return
+        groups, self.groups = self.groups, []
+        every = torch.cat([g[3] for g in groups]).tolist()          # the one transfer
+        i = 0
+        for items, dtype, shape, _ in groups:
+            for item in items:
+                lanes, bad = device_digest.read_words(every[i])
+                i += 1
+                item._digest = device_digest.format_digest(dtype, shape, lanes)
+                item._nonfinite = None if bad is None else NonFinite(
+                    device_digest.NONFINITE_KINDS[bad[2]], bad[1], unravel(bad[1], shape), bad[0])
+                item._pending = None
 
 
 @dataclass
@@ -62,6 +117,7 @@ class Capture:
 
     def __init__(self, *, keep: bool = False, label: str = ""):
         self.keep = keep
+        self._pending = _Pending()
         self.label = label
         self.requests: dict[str, RequestCapture] = {}
         self.steps = 0
@@ -72,6 +128,8 @@ class Capture:
 
     def _item(self, t: torch.Tensor, check: bool = True) -> Item:
         t = t.detach()
+        if device_digest.on_device(t) and not self.keep:
+            return self._pending.add(t, rows=False)[0]
         return Item(hash_tensor(t), t.clone().cpu() if self.keep else None,
                     first_nonfinite(t) if check else None)
 
@@ -86,6 +144,11 @@ class Capture:
 
     def on_logits(self, request_id: str, start_pos: int, rows: torch.Tensor) -> None:
         rc = self.request(request_id)
+        if device_digest.on_device(rows) and not self.keep and rows.shape[0]:
+            # the block's rows digested in one batched reduction on the device, read back later
+            for i, item in enumerate(self._pending.add(rows.detach(), rows=True)):
+                rc.logits[start_pos + i] = item
+            return
         block_finite = first_nonfinite(rows) is None            # one reduction for the [n, V] block
         for i in range(rows.shape[0]):
             rc.logits[start_pos + i] = self._item(rows[i], check=not block_finite)

@@ -42,7 +42,8 @@ class NonFinite:
         return cls(str(d["kind"]), int(d["index"]), tuple(int(i) for i in d["index_tuple"]), int(d["count"]))
 
 
-def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+def unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A flat index into `shape` as an index tuple."""
     out = []
     for size in reversed(shape):
         out.append(flat % size)
@@ -76,7 +77,7 @@ def first_nonfinite(t: torch.Tensor, *, allow_neg_inf: bool = False) -> NonFinit
     i = int(where[0, 0])
     x = float(flat[i])
     kind = "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
-    return NonFinite(kind, i, _unravel(i, tuple(t.shape)), int(where.shape[0]))
+    return NonFinite(kind, i, unravel(i, tuple(t.shape)), int(where.shape[0]))
 
 
 def side_text(sides: tuple[str, ...]) -> str:

@@ -364,10 +364,27 @@ def first_divergence(ref_tokens: Sequence[int] | torch.Tensor, cand_tokens: Sequ
 def hash_tensor(t: torch.Tensor) -> str:
     """'dtype[shape]:hex' over the raw bytes; equal hashes mean bitwise-equal tensors.
 
+    A CUDA tensor's hash is computed where it lives (compare/device_digest.py, 'dtype[shape]:m31x4:hex':
+    no copy to the host); a CPU tensor's is blake2b. The scheme is in the string, so a digest is
+    only ever equal to one of its own scheme; hash_like recomputes a tensor under a given digest's.
     Equal hashes say nothing about finiteness: a NaN row hashes alike on both sides of a
     comparison. k3verify.capture.nonfinite is the check for that, recorded beside every hash."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"hash_tensor needs a torch.Tensor, got {type(t).__name__}")
+    from k3verify.compare import device_digest
+    if device_digest.on_device(t):
+        return device_digest.digest(t)
+    return _blake2b(t)
+
+
+def hash_like(t: torch.Tensor, digest: str) -> str:
+    """t's hash under the scheme `digest` was made with (a kept CPU copy of a CUDA tensor against the
+    device digest recorded for it)."""
+    from k3verify.compare import device_digest
+    return device_digest.digest(t) if device_digest.scheme_of(digest) == device_digest.SCHEME else _blake2b(t)
+
+
+def _blake2b(t: torch.Tensor) -> str:
     flat = t.detach().cpu().contiguous().reshape(-1)
     raw = flat.view(torch.uint8) if flat.dtype != torch.bool else flat.to(torch.uint8)
     h = hashlib.blake2b(digest_size=16)

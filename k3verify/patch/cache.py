@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from ..capture.capture import Capture
-from ..compare.tensors import hash_tensor
+from ..compare.tensors import hash_like
 from ..io import atomic_write_bytes, atomic_write_json
 from .driver import PROTOCOL, tensor_key
 
@@ -41,7 +41,7 @@ def load_unit(directory: Path, uid: str) -> tuple[Capture | None, dict]:
         items += [(tensor_key(rid, "mla", layer), it) for layer, it in rc.mla.items()]
         for key, it in items:
             t = tensors.get(key)
-            if t is None or hash_tensor(t) != it.digest:
+            if t is None or hash_like(t, it.digest) != it.digest:
                 raise BadUnit(f"{uid}: tensor {key} {'missing' if t is None else 'does not match its hash'}")
             it.tensor = t
     return cap, rec

@@ -1,0 +1,74 @@
+"""The m31x4 digest and the finiteness summary of compare/device_digest.py in one Triton launch.
+
+device_digest's torch form costs ~20 small kernels per captured tensor (the casts, products and
+remainders of the digest, then isfinite, argmax, a gather and the kind's wheres); a capture of 64
+requests x 32 tokens x 9 KDA layers x 4 tensors is 73K tensors. This kernel reads each tensor once,
+as its 16-bit halves for the digest and in its own dtype for finiteness, and leaves per row the 7
+int64 words device_digest.summary_words defines: four lanes (partial sums, reduced mod p when read),
+the non-finite count, and min(4 * flat index + kind) over non-finite elements (the first one and its
+kind, in one atomic minimum). Blocks of a row add their integer partial sums atomically, exact in any
+order, so the words are the torch form's bit for bit (tests/test_triton_digest.py, under Triton's
+interpreter in CI).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from k3verify.compare import device_digest as dd
+
+BLOCK = 1024
+
+
+@triton.jit
+def _digest_rows(h_ptr, f_ptr, c_ptr, out_ptr, n_h, n_f, h_stride, f_stride, c_stride,
+                 SHIFT: tl.constexpr, HAS_F: tl.constexpr, H_PER_F: tl.constexpr, UPCAST: tl.constexpr,
+                 P: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    blk = tl.program_id(1)
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n_h
+    h = tl.load(h_ptr + row * h_stride + offs, mask=m, other=0).to(tl.int64) + SHIFT
+    h = tl.where(m, h, 0)
+    out = out_ptr + row * 7
+    for lane in tl.static_range(4):
+        c = tl.load(c_ptr + lane * c_stride + offs, mask=m, other=0)
+        tl.atomic_add(out + lane, tl.sum((h * c) % P, axis=0))
+    if HAS_F:
+        FB: tl.constexpr = BLOCK // H_PER_F
+        fo = blk * FB + tl.arange(0, FB)
+        fm = fo < n_f
+        x = tl.load(f_ptr + row * f_stride + fo, mask=fm, other=0.0)
+        if UPCAST:
+            x = x.to(tl.float32)
+        nan = x != x
+        bad = (nan | (x == float("inf")) | (x == float("-inf"))) & fm
+        tl.atomic_add(out + 4, tl.sum(bad.to(tl.int64), axis=0))
+        kind = tl.where(nan, 1, tl.where(x > 0, 2, 3)).to(tl.int64)
+        key = tl.where(bad, fo.to(tl.int64) * 4 + kind, 9223372036854775807)
+        tl.atomic_min(out + 5, tl.min(key, axis=0))
+
+
+def summary_words(t: torch.Tensor, rows: bool = False) -> torch.Tensor:
+    """device_digest.summary_words(t, rows) in one launch: int64 [n, 7] on t's device."""
+    x = t.detach()
+    if x.dtype == torch.bool:
+        x = x.to(torch.uint8)
+    n = x.shape[0] if rows else 1
+    flat = x.contiguous().reshape(n, -1)
+    raw = flat.view(torch.uint8)
+    even = raw.shape[1] % 2 == 0
+    h = raw.view(torch.int16) if even else raw
+    has_f = flat.is_floating_point()
+    out = torch.zeros(n, 7, dtype=torch.int64, device=x.device)
+    out[:, 5] = dd.NO_KEY
+    grid = (n, max(1, triton.cdiv(h.shape[1], BLOCK)))
+    if grid[1] > 65535 or n > 2 ** 31 - 1:          # past a launch grid's second axis: the torch form
+        return dd.summary_words_torch(t, rows)
+    c = dd.constants(h.shape[1], h.device)
+    _digest_rows[grid](h, flat if has_f else h, c, out, h.shape[1], flat.shape[1], h.stride(0),
+                       flat.stride(0), c.stride(0), SHIFT=32768 if even else 0, HAS_F=has_f,
+                       H_PER_F=max(1, flat.element_size() // 2) if even else 1,
+                       UPCAST=flat.dtype in (torch.bfloat16, torch.float16), P=dd.P, BLOCK=BLOCK)
+    return out
