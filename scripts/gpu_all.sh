@@ -37,9 +37,14 @@ if [ -n "${RESUME_TAR:-}" ]; then
 else
   WHAT=(--suite "${SUITE:-gpu}" --device cuda --dtype "${DTYPE:-bfloat16}")
 fi
-# TIME_LIMIT: no unit starts after it (the units left are inconclusive rows; the report is still written)
-timeout "${ALL_TIMEOUT_S:-3000}" python3 -m k3verify all "${WHAT[@]}" --jobs "${JOBS:-6}" --report-dir "$RUN" \
-  ${TIME_LIMIT:+--time-limit "$TIME_LIMIT"} \
+# TIME_LIMIT: no unit starts after it (the units left are inconclusive rows; the report is still written).
+# FINISH_BY (default: ALL_TIMEOUT_S less 25 s): no unit starts whose expected seconds (the suite's
+# measured priors) would end past it, so the hard stop does not cut units half-run (the fifth release
+# run's first call lost the work of every unit in flight at its 400 s kill)
+ALL_TIMEOUT_S=${ALL_TIMEOUT_S:-3000}
+FINISH_BY=${FINISH_BY:-$(( ALL_TIMEOUT_S - 25 ))}
+timeout "$ALL_TIMEOUT_S" python3 -m k3verify all "${WHAT[@]}" --jobs "${JOBS:-6}" --report-dir "$RUN" \
+  ${TIME_LIMIT:+--time-limit "$TIME_LIMIT"} ${FINISH_BY:+--finish-by "$FINISH_BY"} \
   --json > "$OUT/all.json" 2> "$OUT/all.log"
 rc=$?
 echo "k3verify all rc=$rc in $(( $(date +%s) - t0 )) s"

@@ -214,3 +214,36 @@ def test_the_gpu_release_suite_plans_from_the_h200_seconds():
         loads[measured[u.id]] += costs[u.id]
         kind_loads[kind[u.id]] += costs[u.id]
     assert max(loads) < 0.7 * max(kind_loads), (max(loads), max(kind_loads))
+
+
+# ---- --finish-by: no unit started that its expected seconds say a hard stop would cut ---------------
+def _finish_by_suite(tmp_path: Path) -> Path:
+    (tmp_path / "u.tsv").write_text("unit\tseconds\n001-a-state_offload_roundtrip-single\t100000\n"
+                                    "002-b-projected_kv_cache-single\t1\n")
+    p = tmp_path / "fb.toml"
+    p.write_text('version = 2\npriors = "u.tsv"\n' + "".join(
+        f'[[check]]\nname = "{n}"\nkind = "diff"\ntoggles = ["{t}"]\nscenarios = ["single"]\nscale = 0.25\n'
+        for n, t in (("a", "state_offload_roundtrip"), ("b", "projected_kv_cache"))))
+    return p
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_finish_by_leaves_the_unit_that_cannot_end_in_time(tmp_path, jobs):
+    suite = _finish_by_suite(tmp_path)
+    run = tmp_path / "run"
+    assert cli.main(["all", "--suite", str(suite), "--report-dir", str(run), "--finish-by", "300",
+                     "--jobs", str(jobs)]) == 1
+    rows = json.loads((run / "report.json").read_text())["results"]
+    left = [r for r in rows if r["toggle"] == "state_offload_roundtrip"]
+    assert left and all(r["status"] == "inconclusive" and "expected 100000 s would have ended past the run's "
+                        "--finish-by of 300 s" in r["reason"] for r in left)
+    assert all(r["status"] == "pass" for r in rows if r["toggle"] == "projected_kv_cache")
+    assert not (run / "checks" / "001-a-state_offload_roundtrip-single.json").exists(), "left for --resume"
+    assert (run / "checks" / "002-b-projected_kv_cache-single.json").exists()
+
+
+def test_without_finish_by_both_units_run_and_a_bad_value_is_refused(tmp_path, capsys):
+    suite = _finish_by_suite(tmp_path)
+    assert cli.main(["all", "--suite", str(suite), "--report-dir", str(tmp_path / "run")]) == 0
+    assert cli.main(["all", "--suite", str(suite), "--report-dir", str(tmp_path / "r2"), "--finish-by", "-1"]) == 2
+    assert "--finish-by must be a number of seconds in (0, 1e7), got -1" in capsys.readouterr().err

@@ -52,7 +52,13 @@ def add_arguments(parser) -> None:
                         help="start no unit after S seconds: the units left are inconclusive rows naming the "
                              "limit (not recorded, so --resume runs them), the verdict is never pass; a gate "
                              "with a time budget (the GPU release suite: 600 s) still writes its report")
+    parser.add_argument("--finish-by", type=float, default=None, metavar="S",
+                        help="start a unit only when its expected seconds (the suite's measured priors, else its "
+                             "kind's) end before S seconds: a unit that would be killed by a hard stop at S is left "
+                             "for --resume instead of run half; the units left are inconclusive rows, as with "
+                             "--time-limit")
     parser.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)   # a worker's: epoch s
+    parser.add_argument("--finish-deadline", type=float, default=None, help=argparse.SUPPRESS)  # likewise
     add_model_flag(parser)
     add_device_flag(parser)
     add_json_flag(parser)
@@ -126,7 +132,8 @@ def _worker_args(args) -> list[str]:
     """The flags a worker needs besides --resume / --shard (device and dtype come from the plan)."""
     return ([*(["--allow-nonfinite-weights"] if args.allow_nonfinite_weights else []),
              *(["--allow-weight-cast"] if args.allow_weight_cast else []),
-             *(["--deadline", repr(args.deadline)] if args.deadline is not None else [])])
+             *(["--deadline", repr(args.deadline)] if args.deadline is not None else []),
+             *(["--finish-deadline", repr(args.finish_deadline)] if args.finish_deadline is not None else [])])
 
 
 def _run_shard(plan: dict, model, run_dir: Path, shard: tuple[int, int], args) -> int:
@@ -135,7 +142,8 @@ def _run_shard(plan: dict, model, run_dir: Path, shard: tuple[int, int], args) -
     i, n = shard
     mine = assign(run_all.plan_units(plan), n, plan.get("priors"))
     _, ran = run_all.execute(plan, model, run_dir, load_options=model_load_options(args),
-                             only=lambda u: mine[u.id] == i, deadline=args.deadline, steal=True)
+                             only=lambda u: mine[u.id] == i, deadline=args.deadline, steal=True,
+                             finish_deadline=args.finish_deadline, finish_by_s=args.finish_by)
     print(f"shard {i}/{n} of {plan['run_id']}: {ran} units run", file=sys.stderr)
     return 0
 
@@ -157,7 +165,8 @@ def _run_jobs(plan: dict, model, run_dir: Path, args) -> int:
     try:
         with Display([u for u in units if mine[u.id] == 0]) as display:
             _, ran = run_all.execute(plan, model, run_dir, display=display, load_options=model_load_options(args),
-                                     only=lambda u: mine[u.id] == 0, deadline=args.deadline, steal=True)
+                                     only=lambda u: mine[u.id] == 0, deadline=args.deadline, steal=True,
+                                     finish_deadline=args.finish_deadline, finish_by_s=args.finish_by)
     except BaseException:
         for _, proc, _ in procs:            # Ctrl-C or a usage error here: the workers stop too (resumable)
             proc.terminate()
@@ -192,6 +201,12 @@ def run(args) -> int:
         if args.shard is not None:
             raise UsageError("--time-limit is the parent's; a --shard worker gets its deadline from it")
         args.deadline = time.time() + args.time_limit
+    if args.finish_by is not None:
+        if not (args.finish_by > 0 and args.finish_by < 1e7):
+            raise UsageError(f"--finish-by must be a number of seconds in (0, 1e7), got {args.finish_by}")
+        if args.shard is not None:
+            raise UsageError("--finish-by is the parent's; a --shard worker gets its deadline from it")
+        args.finish_deadline = time.time() + args.finish_by
     if isinstance(args.jobs, bool) or not 1 <= args.jobs <= 64:
         raise UsageError(f"--jobs must be an integer in 1..64, got {args.jobs}")
     shard = None
@@ -240,7 +255,8 @@ def run(args) -> int:
         ran_first = _run_jobs(plan, model, run_dir, args)
     with Display(run_all.plan_units(plan)) as display:     # all units; what the jobs left is run here
         results, ran = run_all.execute(plan, model, run_dir, display=display, load_options=model_load_options(args),
-                                       deadline=args.deadline, time_limit_s=args.time_limit)
+                                       deadline=args.deadline, time_limit_s=args.time_limit,
+                                       finish_deadline=args.finish_deadline, finish_by_s=args.finish_by)
     ran += ran_first
     con = console()
     patch_line = None

@@ -187,11 +187,18 @@ def write_plan(plan: dict, run_dir: Path) -> None:
         atomic_write_json(run_dir / "plan.json", plan)
 
 
-def out_of_time(unit: Unit, time_limit_s: float | None) -> list[dict]:
-    """The row of a unit that was not started because the run's time limit had passed: inconclusive
-    (never a pass, never a fail of the change), not written to a checks file so --resume runs it."""
-    limit = f"the run's --time-limit of {time_limit_s:g} s" if time_limit_s else "the run's time limit"
-    row = Result.inconclusive(_subject(unit.toggle), unit.kind, f"not run: {limit} passed before this unit started",
+def out_of_time(unit: Unit, time_limit_s: float | None, *, expected_s: float | None = None,
+                finish_by_s: float | None = None) -> list[dict]:
+    """The row of a unit that was not started because the run's time limit had passed (or, with
+    `expected_s`, because it would have ended past --finish-by): inconclusive (never a pass, never a
+    fail of the change), not written to a checks file so --resume runs it."""
+    if expected_s is not None:
+        by = f"--finish-by of {finish_by_s:g} s" if finish_by_s else "--finish-by"
+        reason = f"not run: its expected {expected_s:.0f} s would have ended past the run's {by}"
+    else:
+        limit = f"the run's --time-limit of {time_limit_s:g} s" if time_limit_s else "the run's time limit"
+        reason = f"not run: {limit} passed before this unit started"
+    row = Result.inconclusive(_subject(unit.toggle), unit.kind, reason,
                               scenario=unit.scenario, not_run="time_limit")
     if unit.kind in QUALITY_KINDS:
         row.tag(gate=unit.kind)
@@ -201,13 +208,16 @@ def out_of_time(unit: Unit, time_limit_s: float | None) -> list[dict]:
 def execute(plan: dict, model, run_dir: Path, *, display=None, load_options: dict | None = None,
             after_unit: Callable[[Unit], None] | None = None,
             only: Callable[[Unit], bool] | None = None, deadline: float | None = None,
-            time_limit_s: float | None = None, steal: bool = False) -> tuple[list[dict], int]:
+            time_limit_s: float | None = None, steal: bool = False, finish_deadline: float | None = None,
+            finish_by_s: float | None = None) -> tuple[list[dict], int]:
     """Run the plan's unfinished units; returns (all results in plan order, units run now). With
     `only` (a shard of `all --jobs`), units it rejects are neither run nor reported; with `steal`
     too, a shard that has finished its own units then takes the others' unstarted ones, last
     first, each claimed once (claim_unit): the cost priors that split the plan are CPU seconds,
     and a shard that drew the short units should not idle while another has an hour left. Past
-    `deadline` (time.time() seconds) no unit starts: each left is an out_of_time row."""
+    `deadline` (time.time() seconds) no unit starts: each left is an out_of_time row; before
+    `finish_deadline`, a unit starts only if its expected seconds (suites/shards.unit_costs: the
+    plan's measured priors, else its kind's) end before it."""
     write_plan(plan, run_dir)
     expect = provenance(plan)
     check_finished(plan, run_dir)            # a foreign checks file: exit 2 before any unit runs
@@ -223,6 +233,10 @@ def execute(plan: dict, model, run_dir: Path, *, display=None, load_options: dic
         contexts = {name: context(m, split_model_spec(name)[0])
                     for name, m in load_check_models(plan, load_options, only).items()}
         units = plan_units(plan)
+        expected = None
+        if finish_deadline is not None:
+            from k3verify.suites.shards import unit_costs
+            expected = unit_costs(units, plan.get("priors"))
         if only is not None:
             mine = [u for u in units if only(u)]
             units = mine + ([u for u in reversed(units) if not only(u)] if steal else [])
@@ -232,6 +246,8 @@ def execute(plan: dict, model, run_dir: Path, *, display=None, load_options: dic
                 continue                     # another shard has it
             if rows is None and deadline is not None and time.time() >= deadline:
                 rows = out_of_time(unit, time_limit_s)
+            elif rows is None and expected is not None and time.time() + expected[unit.id] > finish_deadline:
+                rows = out_of_time(unit, time_limit_s, expected_s=expected[unit.id], finish_by_s=finish_by_s)
             elif rows is None:
                 if display:
                     display.start(unit)
