@@ -16,7 +16,8 @@
 # unit work at 14 processes without MPS), twice in one call: MPS on first, then off, so Triton's JIT
 # cache, warm from the first, favours the run without MPS and an MPS gain, if seen, is not an
 # order effect. Each run's wall, unit work, and whether every unit's statuses match, in mps_ab.json.
-# Results in $OUT: mps_ab.json, on.tar.gz / off.tar.gz (each run's report, units.tsv, log), env.log.
+# Results in $OUT: mps_ab.json, on.tar.gz / off.tar.gz (each run's report, units.tsv, log), env.log,
+# warm.log, triton-cache.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/k3-mps-ab}
@@ -84,4 +85,5 @@ for arm in on off; do
   [ -d "$OUT/$arm" ] && (cd "$OUT" && tar -czf "$arm.tar.gz" "$arm" && rm -rf "$arm")
 done
 rm -f "$OUT/ab.toml"
+triton_cache_save "$OUT"      # the release call after this one carries it as .gpu-cache/
 ls -la "$OUT"
