@@ -103,6 +103,14 @@ def _not_run(r: Mapping[str, Any]) -> bool:
     return r["status"] == "inconclusive" and str(r.get("reason", "")).startswith("not run")
 
 
+def _by_toggle(report: Mapping[str, Any]) -> dict[str, list[Mapping[str, Any]]]:
+    """toggle -> its verdicts, one per model it was judged on."""
+    out: dict[str, list[Mapping[str, Any]]] = {}
+    for v in report.get("verdicts", []):
+        out.setdefault(v["toggle"], []).append(v)
+    return out
+
+
 def _label(v: Mapping[str, Any]) -> str:
     return v["toggle"] + (f"@{v['model']}" if v.get("model") else "")
 
@@ -136,9 +144,7 @@ def configuration_problems(report: Mapping[str, Any], ships: tuple[str, ...]) ->
     for c in (report.get("suite") or {}).get("checks", []):
         if c["status"] == "skip":
             out.append(f"suite check {c['name']!r} ({c['kind']}) skipped as a whole" + (f": {c['reason']}" if c.get("reason") else ""))
-    verdicts: dict[str, list[Mapping[str, Any]]] = {}
-    for v in report.get("verdicts", []):
-        verdicts.setdefault(v["toggle"], []).append(v)
+    verdicts = _by_toggle(report)
     for name in ships:
         vs = verdicts.get(name, [])
         if not vs:
@@ -199,9 +205,7 @@ def _quality_lines(results: list[Mapping[str, Any]]) -> list[str]:
 
 def configuration_markdown(report: Mapping[str, Any], ships: tuple[str, ...], source: str) -> list[str]:
     """'## Release configuration': what ships with its verdicts, and every judged toggle kept off."""
-    verdicts: dict[str, list[Mapping[str, Any]]] = {}
-    for v in report.get("verdicts", []):
-        verdicts.setdefault(v["toggle"], []).append(v)
+    verdicts = _by_toggle(report)
     lines = ["## Release configuration", "", f"Signed for these toggles on ({source}); every other judged toggle is off "
              "in this release.", "", "| ships | verdicts |", "|---|---|"]
     for name in ships:
