@@ -118,3 +118,8 @@ def test_the_selftest_on_device_digests_passes_a_toggle_and_catches_its_mutant(m
     report = load_report(run)
     assert report["negative_controls"]["caught"] == report["negative_controls"]["total"] >= 1
     assert {v["toggle"]: v["verdict"] for v in report["verdicts"]}["state_offload_roundtrip"] == "counted"
+
+
+def test_a_one_byte_tensor_sliced_at_an_odd_byte_digests_like_its_copy():
+    t = torch.arange(11, dtype=torch.uint8)
+    assert dd.digest(t[1:9]) == dd.digest(t[1:9].clone()) != dd.digest(t[0:8])

@@ -81,6 +81,8 @@ def halves(t: torch.Tensor, rows: bool = False) -> torch.Tensor:
         x = x.to(torch.uint8)
     x = x.contiguous().reshape(x.shape[0] if rows else 1, -1)
     raw = x.view(torch.uint8)
+    if raw.storage_offset() % 2:              # a one-byte tensor sliced at an odd byte: int16 needs 2-byte alignment
+        raw = raw.clone()
     if raw.shape[1] % 2 == 0:
         h = raw.view(torch.int16).to(torch.int64) + 32768
     else:

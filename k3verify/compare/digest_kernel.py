@@ -58,6 +58,8 @@ def summary_words(t: torch.Tensor, rows: bool = False) -> torch.Tensor:
     n = x.shape[0] if rows else 1
     flat = x.contiguous().reshape(n, -1)
     raw = flat.view(torch.uint8)
+    if raw.storage_offset() % 2:              # int16 needs 2-byte alignment
+        raw = raw.clone()
     even = raw.shape[1] % 2 == 0
     h = raw.view(torch.int16) if even else raw
     has_f = flat.is_floating_point()
