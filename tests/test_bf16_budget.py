@@ -64,8 +64,10 @@ def test_bf16_noise_holds_rounding_and_rejects_every_approx_mutant(models):
 
 
 def test_drift_rule_against_the_floor_and_its_negative_control(models):
+    # single at full scale (107 rows): at 0.5 (57 rows) the mean KL is one near-tie row's, and on an
+    # AVX2 EPYC the kda_chunked stand-in read 2.04x the floor there against 1.41x here (the control 7.3x)
     cpu, bf16 = models
-    sc = workloads.build("single", scale=0.5)
+    sc = workloads.build("single", scale=1.0)
     ref = run_scenario(cpu, sc, (), keep=True)
     floor = gpu_drift.stats(ref, _forced(bf16, sc, ref), "floor")
     ok, why = gpu_drift.judge(gpu_drift.stats(ref, _forced(bf16, sc, ref, ("kda_chunked",)), "reordered"), floor)
