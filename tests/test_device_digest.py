@@ -123,3 +123,25 @@ def test_the_selftest_on_device_digests_passes_a_toggle_and_catches_its_mutant(m
 def test_a_one_byte_tensor_sliced_at_an_odd_byte_digests_like_its_copy():
     t = torch.arange(11, dtype=torch.uint8)
     assert dd.digest(t[1:9]) == dd.digest(t[1:9].clone()) != dd.digest(t[0:8])
+
+
+def test_a_kernel_that_cannot_build_falls_back_to_the_torch_form_once(monkeypatch, capsys):
+    """The Triton form's first call compiles it; a failure there is said once and the torch form (the
+    same words) is taken from then on, never a capture that dies."""
+    import types
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(dd, "_KERNEL_CHECKED", False)
+    monkeypatch.setattr(dd, "_KERNEL_BROKEN", None)
+    calls = []
+
+    def broken(t, rows):
+        calls.append(1)
+        raise RuntimeError("cannot compile")
+    monkeypatch.setitem(__import__("sys").modules, "k3verify.compare.digest_kernel",
+                        types.SimpleNamespace(summary_words=broken))
+    t = torch.randn(5, 7)
+    assert torch.equal(dd.summary_words(t), dd.summary_words_torch(t))
+    assert torch.equal(dd.summary_words(t, rows=True), dd.summary_words_torch(t, rows=True))
+    assert calls == [1], "tried once, then the torch form"
+    err = capsys.readouterr().err
+    assert err.count("the device digest kernel could not run (RuntimeError: cannot compile)") == 1

@@ -91,7 +91,7 @@ def test_what_still_blocks_a_configuration(report, case, expect):
     elif case == "error":
         broken["results"].append(_row("kda_fla_chunk", "error", reason="RuntimeError: CUBLAS"))
     elif case == "not_run":
-        broken["results"].append(_row("mla_sdpa", "inconclusive", check="gsm8k", unit="u1",
+        broken["results"].append(_row("mla_sdpa", "inconclusive", check="gsm8k", unit="u1", not_run="time_limit",
                                       reason="not run: the run's --time-limit of 0.001 s passed"))
     elif case == "mutant_missed":
         broken["negative_controls"] = {"caught": 1, "total": 2}

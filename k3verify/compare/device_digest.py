@@ -27,6 +27,7 @@ The finiteness summary is (non-finite count, first non-finite flat index, its ki
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -143,12 +144,36 @@ def summary_words(t: torch.Tensor, rows: bool = False) -> torch.Tensor:
     0-dim rows take the torch form."""
     use_kernel = (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") and t.numel() > 0 \
         and not (t.is_floating_point() and t.element_size() == 1) and (t.dim() > 1 if rows else True)
-    if use_kernel:
+    global _KERNEL_BROKEN
+    if use_kernel and _KERNEL_BROKEN is None:
         try:
             from k3verify.compare.digest_kernel import summary_words as kernel
         except ImportError:            # no triton here: the torch form
             use_kernel = False
-    return kernel(t, rows) if use_kernel else summary_words_torch(t, rows)
+        else:
+            if not _KERNEL_CHECKED:
+                return _first_kernel_call(kernel, t, rows)
+            return kernel(t, rows)
+    return summary_words_torch(t, rows)
+
+
+_KERNEL_CHECKED = False
+_KERNEL_BROKEN: str | None = None      # why the kernel could not run here (its first call failed)
+
+
+def _first_kernel_call(kernel, t: torch.Tensor, rows: bool) -> torch.Tensor:
+    """The kernel's first call in this process compiles it: if that fails (a Triton or driver that
+    cannot build it), say so once on stderr and take the torch form, the same words, from then on."""
+    global _KERNEL_CHECKED, _KERNEL_BROKEN
+    try:
+        out = kernel(t, rows)
+    except Exception as exc:   # noqa: BLE001 - any compile or launch failure of the first call
+        _KERNEL_BROKEN = f"{type(exc).__name__}: {exc}"[:300]
+        print(f"k3verify: the device digest kernel could not run ({_KERNEL_BROKEN}); using its torch form",
+              file=sys.stderr, flush=True)
+        return summary_words_torch(t, rows)
+    _KERNEL_CHECKED = True
+    return out
 
 
 def read_words(words: list[int]) -> tuple[list[int], tuple[int, int, int] | None]:

@@ -100,7 +100,8 @@ def configuration(report: Mapping[str, Any], ships: list[str] | tuple[str, ...] 
 
 
 def _not_run(r: Mapping[str, Any]) -> bool:
-    return r["status"] == "inconclusive" and str(r.get("reason", "")).startswith("not run")
+    """A unit the run did not reach (run_all.out_of_time tags its row, as suites/summary.py counts it)."""
+    return r.get("not_run") is not None
 
 
 def _by_toggle(report: Mapping[str, Any]) -> dict[str, list[Mapping[str, Any]]]:
