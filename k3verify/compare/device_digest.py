@@ -144,16 +144,12 @@ def summary_words(t: torch.Tensor, rows: bool = False) -> torch.Tensor:
     0-dim rows take the torch form."""
     use_kernel = (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") and t.numel() > 0 \
         and not (t.is_floating_point() and t.element_size() == 1) and (t.dim() > 1 if rows else True)
-    global _KERNEL_BROKEN
     if use_kernel and _KERNEL_BROKEN is None:
         try:
             from k3verify.compare.digest_kernel import summary_words as kernel
         except ImportError:            # no triton here: the torch form
-            use_kernel = False
-        else:
-            if not _KERNEL_CHECKED:
-                return _first_kernel_call(kernel, t, rows)
-            return kernel(t, rows)
+            return summary_words_torch(t, rows)
+        return kernel(t, rows) if _KERNEL_CHECKED else _first_kernel_call(kernel, t, rows)
     return summary_words_torch(t, rows)
 
 
