@@ -11,6 +11,7 @@ import pytest
 
 from k3verify import cli, kinds
 from k3verify.errors import UsageError
+from k3verify.kinds.base import Unit
 from k3verify.suites import shards
 from k3verify.suites import suite as suites
 
@@ -93,7 +94,9 @@ def test_two_jobs_give_the_one_process_report(tmp_path, capsys):
     assert _statuses(two) == _statuses(one) and len(_statuses(two)) >= 17
     log = (two / "workers" / "shard-1.log").read_text(encoding="utf-8")
     assert "shard 1/2 of" in log and " units run" in log and " 0 units run" not in log, log   # the worker ran its share
-    assert "of 5 units run now" in out and "5 of 5" not in out, out  # ... and the parent the rest
+    # the attempt's count is every process's units (it read 2 of 194 on the first one-call release run)
+    assert "5 of 5 units run now" in out, out
+    assert json.loads((two / "attempts.json").read_text())[-1]["units_run"] == 5
 
 
 def test_negative_control_a_worker_that_dies_loses_no_unit(tmp_path, capsys, monkeypatch):
@@ -247,3 +250,98 @@ def test_without_finish_by_both_units_run_and_a_bad_value_is_refused(tmp_path, c
     assert cli.main(["all", "--suite", str(suite), "--report-dir", str(tmp_path / "run")]) == 0
     assert cli.main(["all", "--suite", str(suite), "--report-dir", str(tmp_path / "r2"), "--finish-by", "-1"]) == 2
     assert "--finish-by must be a number of seconds in (0, 1e7), got -1" in capsys.readouterr().err
+
+
+# ---- the pace: --finish-by reads this attempt's measured/prior ratio, not the priors alone -----------
+def _paced_suite(tmp_path: Path, short_prior_s: float) -> Path:
+    """Three cheap diff units with `short_prior_s` each, then one whose prior is 20,000 s: its real
+    seconds are the others' (a few), so only the pace learnt from the first three can admit it."""
+    toggles = ("projected_kv_cache", "continuous_batching", "state_offload_roundtrip", "prefix_cache")
+    ids = [f"00{i + 1}-{chr(97 + i)}-{t}-single" for i, t in enumerate(toggles)]
+    priors = [short_prior_s] * 3 + [20000]
+    (tmp_path / "u.tsv").write_text("unit\tseconds\n" + "".join(f"{u}\t{s}\n" for u, s in zip(ids, priors)))
+    p = tmp_path / "paced.toml"
+    p.write_text('version = 2\npriors = "u.tsv"\n' + "".join(
+        f'[[check]]\nname = "{chr(97 + i)}"\nkind = "diff"\ntoggles = ["{t}"]\nscenarios = ["single"]\nscale = 0.25\n'
+        for i, t in enumerate(toggles)))
+    return p
+
+
+def _paced_rows(tmp_path: Path, short_prior_s: float) -> list[dict]:
+    run = tmp_path / f"run-{short_prior_s:g}"
+    cli.main(["all", "--suite", str(_paced_suite(tmp_path, short_prior_s)), "--report-dir", str(run),
+              "--finish-by", "600"])
+    return json.loads((run / "report.json").read_text())["results"]
+
+
+def test_a_faster_pace_admits_the_unit_its_prior_alone_refuses(tmp_path):
+    # the first three ran at a small fraction of their 500 s priors: the last one's 20,000 s prior
+    # scales down with them and it runs (the priors alone would leave it, as the control below shows)
+    rows = _paced_rows(tmp_path, 500)
+    assert all(r["status"] != "inconclusive" for r in rows), [r["reason"] for r in rows if r["status"] == "inconclusive"]
+    assert any(r["toggle"] == "prefix_cache" for r in rows)
+
+
+def test_a_slower_pace_refuses_it_and_says_why(tmp_path):
+    # negative control: the first three ran slower than their 0.01 s priors, so the pace is > 1 and
+    # the 20,000 s unit stays unstarted, its reason naming the pace
+    rows = _paced_rows(tmp_path, 0.01)
+    left = [r for r in rows if r["toggle"] == "prefix_cache"]
+    assert left and all(r["status"] == "inconclusive" and r.get("not_run") == "time_limit"
+                        and "this attempt's pace" in r["reason"] for r in left), left
+
+
+def test_the_pace_is_one_until_the_attempt_has_measured_itself(tmp_path):
+    checks = tmp_path / "checks"
+    checks.mkdir()
+    units = [Unit(id=f"00{i}-x", kind="diff", check="x", options={}) for i in range(4)]
+    (checks / "000-old.json").write_text(json.dumps({"unit": {"id": "000-x"}, "duration_s": 1.0}))
+    pace = shards.Pace(units, {u.id: 100.0 for u in units}, checks)
+    assert pace.factor("003-x") == 1.0                           # the earlier attempt's file is not this pace
+    for i, s in ((0, 10.0), (1, 30.0)):
+        (checks / f"00{i}-x.json").write_text(json.dumps({"unit": {"id": f"00{i}-x"}, "duration_s": s}))
+    assert pace.factor("003-x") == pytest.approx(0.2)             # median of 0.1 and 0.3, its kind's two
+    assert pace.expect("003-x") == pytest.approx(20.0)
+
+
+# ---- a unit out of device memory beside the other shards is run again alone, never lost ------------
+def _planned(tmp_path: Path):
+    from k3verify.suites import run_all
+    from optimized_stack import load_model
+    suite, run = _finish_by_suite(tmp_path), tmp_path / "run"
+    cli.main(["all", "--suite", str(suite), "--report-dir", str(run), "--time-limit", "0.001"])   # the plan, no unit
+    plan = run_all.load_plan(run)
+    return run_all, plan, load_model(plan["model"]), run
+
+
+def test_a_shard_out_of_device_memory_leaves_the_unit_for_the_final_pass(tmp_path, monkeypatch, capsys):
+    import torch
+    run_all, plan, model, run = _planned(tmp_path)
+    real = kinds.run
+
+    def oom_for_a(unit, ctx):
+        if unit.toggle == "state_offload_roundtrip":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.50 GiB")
+        return real(unit, ctx)
+    monkeypatch.setattr(run_all.kinds, "run", oom_for_a)
+    _, ran = run_all.execute(plan, model, run, only=lambda u: True)          # a shard's pass
+    assert ran == 1 and "left for the final pass, alone on the GPU" in capsys.readouterr().err
+    assert not (run / "checks" / "001-a-state_offload_roundtrip-single.json").exists()
+    # the final pass (no shard) runs it again; still out of memory there, the error is on file
+    rows, ran = run_all.execute(plan, model, run)
+    assert ran == 1
+    err = [r for r in rows if r["toggle"] == "state_offload_roundtrip"]
+    assert err and all(r["status"] == "error" and "OutOfMemoryError" in r["reason"] for r in err)
+
+
+def test_the_final_pass_alone_finishes_the_deferred_unit(tmp_path, monkeypatch):
+    import torch
+    run_all, plan, model, run = _planned(tmp_path)
+    real = kinds.run
+    monkeypatch.setattr(run_all.kinds, "run", lambda u, c: (_ for _ in ()).throw(torch.OutOfMemoryError("oom"))
+                        if u.toggle == "state_offload_roundtrip" else real(u, c))
+    run_all.execute(plan, model, run, only=lambda u: True)
+    monkeypatch.setattr(run_all.kinds, "run", real)                          # alone, it fits
+    rows, ran = run_all.execute(plan, model, run)
+    assert ran == 1 and all(r["status"] == "pass" for r in rows), [(r["toggle"], r["status"]) for r in rows]
+    assert run_all.units_finished_since(run, 0) == 2

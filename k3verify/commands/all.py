@@ -250,14 +250,14 @@ def run(args) -> int:
         return _run_shard(plan, model, run_dir, shard, args)
     run_all.write_plan(plan, run_dir)       # the attempt is on file even if it is killed mid-unit
     run_all.record_attempt(run_dir, started, None)
-    ran_first = 0
     if args.jobs > 1:
-        ran_first = _run_jobs(plan, model, run_dir, args)
+        _run_jobs(plan, model, run_dir, args)
+        run_all.release_device_memory()        # the final pass may rerun a unit deferred for memory, alone
     with Display(run_all.plan_units(plan)) as display:     # all units; what the jobs left is run here
         results, ran = run_all.execute(plan, model, run_dir, display=display, load_options=model_load_options(args),
                                        deadline=args.deadline, time_limit_s=args.time_limit,
                                        finish_deadline=args.finish_deadline, finish_by_s=args.finish_by)
-    ran += ran_first
+    ran = run_all.units_finished_since(run_dir, started)      # the workers' units too
     con = console()
     patch_line = None
     if args.base is not None:               # issue 21: a section of its own, not a unit of the plan

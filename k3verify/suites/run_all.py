@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import time
 import traceback
 from datetime import datetime, timezone
@@ -167,8 +168,22 @@ def _subject(toggle: str | None) -> Subject:
         return Subject(toggle)
 
 
-def run_unit(unit: Unit, ctx: Context) -> list[Result]:
-    """kinds.run, with a crash turned into an error result (the run goes on)."""
+class DeferredUnit(Exception):
+    """A shard's unit that ran out of GPU memory beside the other shards: left unfinished (no checks
+    file), so the parent's final pass runs it again once the workers have exited, alone on the GPU."""
+
+
+def _out_of_device_memory(exc: BaseException) -> bool:
+    import torch
+    return isinstance(exc, torch.OutOfMemoryError)
+
+
+def run_unit(unit: Unit, ctx: Context, *, defer_oom: bool = False) -> list[Result]:
+    """kinds.run, with a crash turned into an error result (the run goes on). With `defer_oom` (a
+    shard of `all --jobs`, which shares the GPU with N-1 others), running out of device memory
+    raises DeferredUnit instead: on the first H100 release run, 14 processes on 80 GB left one
+    needle unit (a 2.5 GiB allocation at 108K tokens) an OOM error, which blocked the sign-off for
+    want of memory the unit alone never needs."""
     try:
         return kinds.run(unit, ctx)
     except (UsageError, K3Error) as exc:
@@ -177,6 +192,8 @@ def run_unit(unit: Unit, ctx: Context) -> list[Result]:
         return [Result.errored(_subject(unit.toggle), unit.kind, f"{unit.kind} could not run: {exc}"[:400],
                                scenario=unit.scenario, gate=unit.kind)]
     except Exception as exc:  # noqa: BLE001 - a crashing check is an error result, the run goes on
+        if defer_oom and _out_of_device_memory(exc):
+            raise DeferredUnit(f"{unit.id} ran out of device memory ({exc})"[:300]) from None
         return [Result.errored(_subject(unit.toggle), unit.kind, f"{type(exc).__name__}: {exc}"[:400],
                                scenario=unit.scenario, traceback=traceback.format_exc()[-4000:])]
 
@@ -188,13 +205,14 @@ def write_plan(plan: dict, run_dir: Path) -> None:
 
 
 def out_of_time(unit: Unit, time_limit_s: float | None, *, expected_s: float | None = None,
-                finish_by_s: float | None = None) -> list[dict]:
+                finish_by_s: float | None = None, pace: float = 1.0) -> list[dict]:
     """The row of a unit that was not started because the run's time limit had passed (or, with
     `expected_s`, because it would have ended past --finish-by): inconclusive (never a pass, never a
     fail of the change), not written to a checks file so --resume runs it."""
     if expected_s is not None:
         by = f"--finish-by of {finish_by_s:g} s" if finish_by_s else "--finish-by"
-        reason = f"not run: its expected {expected_s:.0f} s would have ended past the run's {by}"
+        paced = f" (its prior x {pace:.2f}, this attempt's pace)" if pace != 1.0 else ""
+        reason = f"not run: its expected {expected_s:.0f} s{paced} would have ended past the run's {by}"
     else:
         limit = f"the run's --time-limit of {time_limit_s:g} s" if time_limit_s else "the run's time limit"
         reason = f"not run: {limit} passed before this unit started"
@@ -217,7 +235,8 @@ def execute(plan: dict, model, run_dir: Path, *, display=None, load_options: dic
     and a shard that drew the short units should not idle while another has an hour left. Past
     `deadline` (time.time() seconds) no unit starts: each left is an out_of_time row; before
     `finish_deadline`, a unit starts only if its expected seconds (suites/shards.unit_costs: the
-    plan's measured priors, else its kind's) end before it."""
+    plan's measured priors, else its kind's; rescaled by this attempt's pace, shards.Pace) end
+    before it."""
     write_plan(plan, run_dir)
     expect = provenance(plan)
     check_finished(plan, run_dir)            # a foreign checks file: exit 2 before any unit runs
@@ -233,10 +252,10 @@ def execute(plan: dict, model, run_dir: Path, *, display=None, load_options: dic
         contexts = {name: context(m, split_model_spec(name)[0])
                     for name, m in load_check_models(plan, load_options, only).items()}
         units = plan_units(plan)
-        expected = None
+        pace = None
         if finish_deadline is not None:
-            from k3verify.suites.shards import unit_costs
-            expected = unit_costs(units, plan.get("priors"))
+            from k3verify.suites.shards import Pace, unit_costs
+            pace = Pace(units, unit_costs(units, plan.get("priors")), run_dir / "checks")
         if only is not None:
             mine = [u for u in units if only(u)]
             units = mine + ([u for u in reversed(units) if not only(u)] if steal else [])
@@ -246,8 +265,9 @@ def execute(plan: dict, model, run_dir: Path, *, display=None, load_options: dic
                 continue                     # another shard has it
             if rows is None and deadline is not None and time.time() >= deadline:
                 rows = out_of_time(unit, time_limit_s)
-            elif rows is None and expected is not None and time.time() + expected[unit.id] > finish_deadline:
-                rows = out_of_time(unit, time_limit_s, expected_s=expected[unit.id], finish_by_s=finish_by_s)
+            elif rows is None and pace is not None and time.time() + pace.expect(unit.id) > finish_deadline:
+                rows = out_of_time(unit, time_limit_s, expected_s=pace.expect(unit.id), finish_by_s=finish_by_s,
+                                   pace=pace.factor(unit.id))
             elif rows is None:
                 if display:
                     display.start(unit)
@@ -257,7 +277,13 @@ def execute(plan: dict, model, run_dir: Path, *, display=None, load_options: dic
                     contexts[unit.model] = context(m, split_model_spec(unit.model)[0])
                 uctx = contexts.get(unit.model, ctx) if unit.model else ctx
                 tags = {"unit": unit.id, "suite_check": unit.check, **({"model": unit.model} if unit.model else {})}
-                rows = [r.tag(**tags).to_dict() for r in run_unit(unit, uctx)]
+                try:
+                    rows = [r.tag(**tags).to_dict() for r in run_unit(unit, uctx, defer_oom=only is not None)]
+                except DeferredUnit as why:
+                    release_device_memory()
+                    print(f"k3verify all: {why}; left for the final pass, alone on the GPU", file=sys.stderr, flush=True)
+                    continue
+
                 if unit.kind in QUALITY_KINDS:
                     _gate_report(plan, run_dir, unit, rows)
                 atomic_write_json(unit_path(run_dir, unit), {"unit": unit.to_dict(), "provenance": expect,
@@ -271,6 +297,29 @@ def execute(plan: dict, model, run_dir: Path, *, display=None, load_options: dic
                 display.unit_done(unit, rows)
             per_unit.append(rows)
     return [r for rows in per_unit for r in rows], ran
+
+
+def units_finished_since(run_dir: Path, started: float) -> int:
+    """How many checks files were finished at or after `started` (time.time()): the units an
+    attempt ran, its workers' included (the parent's own count knows only its shard and final pass:
+    the first one-call release run recorded `units_run: 2` for 194 units)."""
+    n = 0
+    for p in sorted((Path(run_dir) / "checks").glob("*.json")):
+        try:
+            stamp = datetime.fromisoformat(read_json(p)["finished"]).timestamp()
+        except (OSError, ValueError, ReadError, KeyError, TypeError):
+            continue
+        n += stamp >= started - 1e-3
+    return n
+
+
+def release_device_memory() -> None:
+    import gc
+
+    import torch
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _gate_report(plan: dict, run_dir: Path, unit: Unit, rows: list[dict]) -> None:

@@ -138,3 +138,58 @@ def start_workers(run_id: str, run_dir: Path, n: int, extra_args: list[str]) -> 
         with open(log, "wb") as fh:
             procs.append((i, subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env), log))
     return procs
+
+
+class Pace:
+    """The expected seconds `--finish-by` tests a unit against, rescaled by how fast this attempt's
+    units actually ran against their priors.
+
+    The priors are one earlier run's seconds on one device set-up; the next run can be several times
+    faster (CUDA MPS: the exact selftest's unit work fell 3.9x, session 14's A/B on an H100) or slower
+    (a shared machine). With the raw priors, a finish-by tuned to the old pace refuses units that
+    would fit (a 400 s GSM8K prior against ~100 s of real work), or starts units that cannot end.
+    So each process reads the checks files that appeared since it started (this attempt's units,
+    written by any shard) and multiplies a unit's prior by the median measured/prior ratio of its
+    kind's finished units (>= 2 of them), else of all finished units (>= 3), else by 1: until the
+    attempt has measured itself, the priors stand as they are."""
+
+    MIN_KIND, MIN_ALL = 2, 3
+
+    def __init__(self, units: list[Unit], expected: Mapping[str, float], checks_dir: Path):
+        self.expected = dict(expected)
+        self.kind_of = {u.id: u.kind for u in units}
+        self.checks_dir = Path(checks_dir)
+        self.seen = set(self._names())          # finished by an earlier attempt: not this pace
+        self.ratios: dict[str, list[float]] = {}
+
+    def _names(self) -> list[str]:
+        try:
+            return [p.name for p in self.checks_dir.glob("*.json")]
+        except OSError:
+            return []
+
+    def _update(self) -> None:
+        import json
+        for name in self._names():
+            if name in self.seen:
+                continue
+            try:
+                data = json.loads((self.checks_dir / name).read_text(encoding="utf-8"))
+                uid, seconds = data["unit"]["id"], float(data["duration_s"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue                        # being written (atomic rename: rare) or foreign: next time
+            self.seen.add(name)
+            prior = self.expected.get(uid)
+            if prior and prior > 0 and uid in self.kind_of:
+                self.ratios.setdefault(self.kind_of[uid], []).append(seconds / prior)
+
+    def factor(self, unit_id: str) -> float:
+        self._update()
+        mine = self.ratios.get(self.kind_of.get(unit_id, ""), [])
+        if len(mine) >= self.MIN_KIND:
+            return statistics.median(mine)
+        every = [r for rs in self.ratios.values() for r in rs]
+        return statistics.median(every) if len(every) >= self.MIN_ALL else 1.0
+
+    def expect(self, unit_id: str) -> float:
+        return self.expected[unit_id] * self.factor(unit_id)
