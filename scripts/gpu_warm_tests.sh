@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The call before a one-call release run: compile and tune what the release workers would otherwise
+# compile inside the timed run, and spend the wait on the GPU tests and the capture bench.
+#   run(command="bash scripts/gpu_warm_tests.sh", carry=[".whl"], timeout_s=600)
+# then the release, its kernels read from the cache this call leaves:
+#   run(command="SUITE=release JOBS=14 bash scripts/gpu_all.sh", carry=[".whl", ".gpu-cache"], timeout_s=600)
+# after copying this call's triton-cache.tar.gz to .gpu-cache/.
+# 1. fla's KDA kernels for every head size the release suite runs (k3-mini 16:4, golden/k3-dims 128:2,
+#    k3-small 128:8), in parallel (~80-150 s on a fresh machine);
+# 2. the GPU tests (`pytest -m gpu`: the reference on CUDA, the device digest kernel against its torch
+#    form), which also compile this repository's own Triton kernels;
+# 3. the capture's overhead on the counted engine at B = 16, then 64 (perf/capture_bench.py, the
+#    device digests: issue 27's <= 5% goal), while the call has time.
+# Results in $OUT (8 files at most): logs.tar (env, warm, pytest and bench logs, the bench JSONs) and
+# triton-cache.tar.gz.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/k3-warm-out}
+mkdir -p "$OUT/logs"
+export PYTHONUNBUFFERED=1
+source scripts/gpu_env.sh
+t0=$(date +%s)
+since() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+DEADLINE=$(( t0 + ${BUDGET_S:-540} ))     # the call's 600 s less the cache's packing and a margin
+limit() { local left=$(( DEADLINE - $(date +%s) )); echo $(( left < $1 ? (left > 1 ? left : 1) : $1 )); }
+env_log "$OUT/logs/env.log"
+for dh in ${WARM_DIMS-16:4 128:2 128:8}; do
+  python3 scripts/gpu_warm_fla.py "${dh%%:*}" "${dh##*:}" > "$OUT/logs/warm-${dh/:/x}.log" 2>&1 &
+done
+wait
+since "fla warm"
+timeout "$(limit 200)" python3 -m pytest -m gpu tests/test_gpu_reference.py tests/test_triton_digest.py -q \
+  -p no:cacheprovider -rs > "$OUT/logs/pytest-gpu.log" 2>&1
+since "pytest -m gpu rc=$?"
+tail -3 "$OUT/logs/pytest-gpu.log"
+for b in 16 64; do
+  [ "$(limit 60)" -lt 60 ] && { since "capture bench B=$b: no time left"; break; }
+  timeout "$(limit 150)" python3 -m k3verify.perf.capture_bench --out "$OUT/logs/capture-b$b" --model k3-small \
+    --batch "$b" --new-tokens 32 --repeats 6 > "$OUT/logs/capture-b$b.log" 2>&1
+  since "capture bench B=$b rc=$?"
+  tail -1 "$OUT/logs/capture-b$b.log"
+done
+triton_cache_save "$OUT"
+(cd "$OUT" && tar -cf logs.tar logs && rm -rf logs)
+since "packed"
+ls -la "$OUT"
