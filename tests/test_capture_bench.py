@@ -21,6 +21,18 @@ def test_capture_bench_writes_an_overhead_with_rows_hashed(tmp_path):
     assert as_gpu["goals"]["capture_overhead_gpu"]["value"] == doc["overhead"]
 
 
+def test_per_request_arm_times_the_same_digests(tmp_path):
+    """--per-request: the before (per-request observer calls) beside the after, in one process; the
+    two captures recorded the same digests, so the arms timed the same work."""
+    assert capture_bench.main(["--out", str(tmp_path), "--device", "cpu", "--batch", "3", "--context", "24",
+                               "--new-tokens", "3", "--repeats", "2", "--per-request"]) == 0
+    doc = json.loads((tmp_path / "capture_overhead.json").read_text())
+    pr = doc["per_request"]
+    assert pr["same_digests_as_batched"] is True
+    assert pr["ci95"][0] <= pr["overhead"] <= pr["ci95"][1]
+    assert pr["ab"]["b"] == "capture, per-request calls" and pr["ab"]["repeats"] == 2
+
+
 def test_bad_arguments_are_one_line_and_exit_2(tmp_path, capsys):
     assert capture_bench.main(["--out", str(tmp_path), "--device", "cpu", "--batch", "0"]) == 2
     assert capture_bench.main(["--out", str(tmp_path), "--device", "tpu"]) == 2

@@ -6,6 +6,8 @@ the verifier's sequential runner call):
 - on_kda_state(request, num_tokens, layer, state) -> hashes of recurrent state and conv windows
 - on_finish(request, result, mla_rows {layer: [S, R]}) -> the token stream and MLA row hashes
 - on_step(step, scheduled)                   -> step count
+and the engine's batched forms of the first two (on_logits_rows, on_kda_states: every request of a
+step in one call, so on the device one digest launch covers all of them).
 
 Hash by default (cheap); `keep=True` also keeps the tensors, which the comparator needs
 to turn a hash mismatch into ULP / KL findings. Beside every hash the capture records the
@@ -152,6 +154,29 @@ class Capture:
         block_finite = first_nonfinite(rows) is None            # one reduction for the [n, V] block
         for i in range(rows.shape[0]):
             rc.logits[start_pos + i] = self._item(rows[i], check=not block_finite)
+
+    def on_logits_rows(self, points: list[tuple[str, int]], rows: torch.Tensor) -> None:
+        """The engine's batched form: rows[i] is the logits row of points[i] = (request, position).
+        On the device one reduction digests every row (one launch a step, not one per request)."""
+        if device_digest.on_device(rows) and not self.keep and rows.shape[0]:
+            for (rid, pos), item in zip(points, self._pending.add(rows.detach(), rows=True)):
+                self.request(rid).logits[pos] = item
+            return
+        for i, (rid, pos) in enumerate(points):
+            self.on_logits(rid, pos, rows[i:i + 1])
+
+    def on_kda_states(self, points: list[tuple[str, int]], layer: int, stacked: dict[str, torch.Tensor]) -> None:
+        """The engine's batched form: stacked[name][i] is `layer`'s tensor `name` for points[i] =
+        (request, num_tokens), a copy the engine made for the observers. Each row's item is the one
+        on_kda_state would record for it (a row of the stack has the request tensor's bytes and shape)."""
+        for name in KDA_TENSORS:
+            t = stacked[name].detach()
+            if device_digest.on_device(t) and not self.keep and t.shape[0]:
+                items = self._pending.add(t, rows=True)
+            else:
+                items = [self._item(t[i]) for i in range(t.shape[0])]
+            for (rid, n), item in zip(points, items):
+                self.request(rid).kda.setdefault(n, {})[(layer, name)] = item
 
     def on_kda_state(self, request_id: str, num_tokens: int, layer: int, state: Any) -> None:
         point = self.request(request_id).kda.setdefault(num_tokens, {})

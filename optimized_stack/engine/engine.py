@@ -54,6 +54,38 @@ class EngineObserver:
     def on_step(self, step_index: int, scheduled: list[tuple[str, int]]) -> None:
         """What one step ran: (request_id, tokens computed)."""
 
+    # Optional batched forms (an observer may define them; the engine falls back to the per-request
+    # methods above when it does not): one call per step instead of one per request and layer, so a
+    # device observer launches one reduction for every row (the capture's overhead on the GPU engine
+    # was its ~B x layers x 4 launches a step, NOTES.md session 16).
+    #   on_logits_rows(points [(request_id, position)], rows [n, V])   one row per point
+    #   on_kda_states(points [(request_id, num_tokens)], layer, {name: [n, ...]})   stacked copies
+
+
+def emit_logits_rows(obs, points: list[tuple[str, int]], rows: torch.Tensor) -> None:
+    """rows[i] is the logits row of points[i] = (request_id, position): the observer's batched form
+    where it has one, else one on_logits per row."""
+    batched = getattr(obs, "on_logits_rows", None)
+    if batched is not None:
+        batched(points, rows)
+        return
+    for i, (rid, pos) in enumerate(points):
+        obs.on_logits(rid, pos, rows[i:i + 1])
+
+
+def emit_kda_states(obs, points: list[tuple[str, int]], layer: int, stacked: dict[str, torch.Tensor]) -> None:
+    """stacked[name][i] is KDA layer `layer`'s tensor `name` of points[i] = (request_id, num_tokens):
+    the observer's batched form where it has one, else one on_kda_state per request."""
+    batched = getattr(obs, "on_kda_states", None)
+    if batched is not None:
+        batched(points, layer, stacked)
+        return
+    for i, (rid, n) in enumerate(points):
+        obs.on_kda_state(rid, n, layer, KDAState(*(stacked[name][i] for name in KDA_TENSOR_NAMES)))
+
+
+KDA_TENSOR_NAMES = ("recurrent", "conv_q", "conv_k", "conv_v")      # KDAState's fields, in order
+
 
 class Engine:
     def __init__(self, model: K3Model, opts: EngineOptions | None = None,
@@ -173,7 +205,10 @@ class Engine:
         for obs in self.observers:
             obs.on_step(self.step_index, [(r.request_id, n) for r, n in plan])
         last_rows = self._run_plan(plan)
-        outputs = [self._after_step(req, n, last_rows[req]) for req, n in plan]
+        emitted = [self._take_step_token(req, last_rows[req]) for req, _ in plan]
+        if self.observers and plan:
+            self._observe_kda_states([req for req, _ in plan])
+        outputs = [self._step_output(req, n, e) for (req, n), e in zip(plan, emitted)]
         self.metrics.steps += 1
         self.metrics.preemptions = sched.preemptions
         if isinstance(self.store, PagedStore):
@@ -275,17 +310,20 @@ class Engine:
         assert self.fast is not None
         rows, tokens = self.fast.run(plan, keep_rows=bool(self.observers))
         last: dict[Request, torch.Tensor] = {}
+        points: list[tuple[str, int]] = []                  # (request, position) of each row
         for i, (req, _) in enumerate(plan):
             a = req.num_computed
+            points.append((req.request_id, a))
             self.metrics.tokens_computed += 1
             self.store.commit_written(req, a + 1)
             self.metrics.tokens_recomputed += max(0, min(a + 1, req.max_computed) - a)
             req.max_computed = max(req.max_computed, a + 1)
-            for obs in self.observers:
-                obs.on_logits(req.request_id, a, rows[i:i + 1])
             last[req] = rows[i]
             if tokens[i] is not None:
                 self._sampled[req] = tokens[i]
+        if self.observers:                          # the step's rows were computed together: one call
+            for obs in self.observers:
+                emit_logits_rows(obs, points, rows[:len(plan)])
         return last
 
     def _verify(self, req: Request, st, rows: torch.Tensor, record, start: int) -> tuple[torch.Tensor, int]:
@@ -313,26 +351,36 @@ class Engine:
                 return i + 1
         return len(tokens)
 
-    def _after_step(self, req: Request, n: int, last_row: torch.Tensor) -> StepOutput:
-        new_token = None
+    def _take_step_token(self, req: Request, last_row: torch.Tensor) -> tuple[int, ...] | None:
+        """The tokens the step emitted for req (speculation's kept tokens, or the one sampled), now
+        in req.tokens; None when it emitted none (a prefill chunk short of the prompt's end)."""
         emitted = self._emitted.pop(req, None)
         if emitted is not None:
-            new_token = emitted[-1]
-        elif req.num_computed == len(req.tokens):
+            return tuple(emitted)
+        if req.num_computed == len(req.tokens):
             new_token = self._sampled.pop(req, None)           # greedy, sampled by the fast step
             if new_token is None:
                 new_token = req.sampler.sample(last_row)
             self._take_tokens(req, [new_token])
-        if self.observers:
-            for layer, st in self.store.kda_states(req).items():
-                snap = st.clone()
-                for obs in self.observers:
-                    obs.on_kda_state(req.request_id, req.num_computed, layer, snap)
+            return (new_token,)
+        return None
+
+    def _observe_kda_states(self, reqs: list[Request]) -> None:
+        """Every stepped request's KDA state, after its tokens were taken and before any finishes:
+        per layer and tensor one stacked copy of all requests' rows (one launch, not one per request)."""
+        states = [self.store.kda_states(req) for req in reqs]
+        points = [(req.request_id, req.num_computed) for req in reqs]
+        for layer in states[0]:
+            stacked = {name: torch.stack([getattr(st[layer], name) for st in states]) for name in KDA_TENSOR_NAMES}
+            for obs in self.observers:
+                emit_kda_states(obs, points, layer, stacked)
+
+    def _step_output(self, req: Request, n: int, emitted: tuple[int, ...] | None) -> StepOutput:
         done = req.finish_reason is not None
         if done:
             self._finish(req)
-        return StepOutput(req.request_id, n, req.num_computed, new_token, done, req.finish_reason,
-                          tuple(emitted) if emitted is not None else (() if new_token is None else (new_token,)))
+        return StepOutput(req.request_id, n, req.num_computed, emitted[-1] if emitted else None, done,
+                          req.finish_reason, emitted or ())
 
     def _finish(self, req: Request) -> None:
         assert req.finish_reason is not None
