@@ -10,7 +10,10 @@
 # 2. the GPU tests (`pytest -m gpu`: the reference on CUDA, the device digest kernel against its torch
 #    form), which also compile this repository's own Triton kernels;
 # 3. the capture's overhead on the counted engine at B = 16, then 64 (perf/capture_bench.py, the
-#    device digests: issue 27's <= 5% goal), while the call has time.
+#    device digests: issue 27's <= 5% goal), while the call has time. CAPTURE_B (default "16 64") picks
+#    the batches; at the batches in PER_REQUEST_B (default 16) the bench also times the capture through
+#    the per-request observer calls in the same process (the form before session 16's batched calls).
+#    TESTS=0 skips step 2 (a call whose kernels the carried .gpu-cache already holds).
 # Results in $OUT (8 files at most): logs.tar (env, warm, pytest and bench logs, the bench JSONs) and
 # triton-cache.tar.gz.
 set -uo pipefail
@@ -29,16 +32,19 @@ for dh in ${WARM_DIMS-16:4 128:2 128:8}; do
 done
 wait
 since "fla warm"
-timeout "$(limit 200)" python3 -m pytest -m gpu tests/test_gpu_reference.py tests/test_triton_digest.py -q \
-  -p no:cacheprovider -rs > "$OUT/logs/pytest-gpu.log" 2>&1
-since "pytest -m gpu rc=$?"
-tail -3 "$OUT/logs/pytest-gpu.log"
-for b in 16 64; do
+if [ "${TESTS:-1}" = 1 ]; then
+  timeout "$(limit 200)" python3 -m pytest -m gpu tests/test_gpu_reference.py tests/test_triton_digest.py \
+    tests/test_capture_batched.py -q -p no:cacheprovider -rs > "$OUT/logs/pytest-gpu.log" 2>&1
+  since "pytest -m gpu rc=$?"
+  tail -3 "$OUT/logs/pytest-gpu.log"
+fi
+for b in ${CAPTURE_B-16 64}; do
   [ "$(limit 60)" -lt 60 ] && { since "capture bench B=$b: no time left"; break; }
-  timeout "$(limit 150)" python3 -m k3verify.perf.capture_bench --out "$OUT/logs/capture-b$b" --model k3-small \
-    --batch "$b" --new-tokens 32 --repeats 6 > "$OUT/logs/capture-b$b.log" 2>&1
+  extra=(); [[ " ${PER_REQUEST_B-16} " == *" $b "* ]] && extra=(--per-request)
+  timeout "$(limit ${BENCH_S:-200})" python3 -m k3verify.perf.capture_bench --out "$OUT/logs/capture-b$b" \
+    --model k3-small --batch "$b" --new-tokens 32 --repeats 6 "${extra[@]}" > "$OUT/logs/capture-b$b.log" 2>&1
   since "capture bench B=$b rc=$?"
-  tail -1 "$OUT/logs/capture-b$b.log"
+  tail -2 "$OUT/logs/capture-b$b.log"
 done
 triton_cache_save "$OUT"
 (cd "$OUT" && tar -cf logs.tar logs && rm -rf logs)

@@ -101,3 +101,19 @@ def test_a_flipped_element_changes_that_request_only(monkeypatch, scheme):
     differ = sorted((rid, part) for rid in want["requests"] for part in ("kda", "logits")
                     if got["requests"][rid][part] != want["requests"][rid][part])
     assert differ == [("r1", "kda"), ("r2", "logits")]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("names", [("batched_decode",), ("batched_decode", "cuda_graphs")], ids=["eager", "graphs"])
+def test_on_the_gpu_batched_calls_record_the_per_request_digests(names):
+    """The device digest (m31x4, one launch per stacked tensor) against the per-request calls, on the
+    counted stack's batched step, with and without graph replay."""
+    model = load_model("k3-mini", device="cuda", dtype=torch.bfloat16)
+    batched, per_request = CountingCapture(), PerRequestCalls(Capture())
+    _run(model, [batched, per_request], names)
+    a, b = batched.to_json(), per_request.cap.to_json()
+    assert a == b
+    digests = [d for r in a["requests"].values() for pt in r["kda"].values() for d in pt.values()]
+    assert digests and all(":m31x4:" in d for d in digests), "the device digest did not run"
+    assert batched.batched_logits_calls > 0
