@@ -15,6 +15,13 @@ def test_capture_bench_writes_an_overhead_with_rows_hashed(tmp_path):
     assert doc["stack"] == ["batched_decode", "prefill_sorted_experts"] and doc["batch"] == 2
     assert doc["captured_logits_rows"] >= 2 * 3, "the capture arm hashed no rows: it did not watch the engine"
     assert isinstance(doc["overhead"], float) and doc["ci95"][0] <= doc["overhead"] <= doc["ci95"][1]
+    # the headline times the steady steps only: fewer seconds than the whole runs beside it
+    assert doc["ab"]["tokens"] == 2 * 3 and doc["with_setup"]["ab"]["tokens"] == 2 * 4
+    assert doc["ab"]["median_s_a"] < doc["with_setup"]["ab"]["median_s_a"]
+    assert isinstance(doc["extra_ms_per_step"], float)
+    from optimized_stack import load_model
+    kda_layers = sum(k == "kda" for k in load_model("k3-mini").config.layer_kinds)
+    assert doc["digest_cost"]["tensors_a_step"] == 4 * kda_layers + 1 and doc["digest_cost"]["stack_and_digest_ms"] > 0
     merged = engine_summary.merge(None, None, None, doc, ["capture"])
     assert merged["goals"]["capture_overhead_gpu"]["verdict"] == "not measured"        # a CPU figure
     as_gpu = engine_summary.merge(None, None, None, {**doc, "device": "cuda"}, ["capture"])
@@ -36,5 +43,6 @@ def test_per_request_arm_times_the_same_digests(tmp_path):
 def test_bad_arguments_are_one_line_and_exit_2(tmp_path, capsys):
     assert capture_bench.main(["--out", str(tmp_path), "--device", "cpu", "--batch", "0"]) == 2
     assert capture_bench.main(["--out", str(tmp_path), "--device", "tpu"]) == 2
+    assert capture_bench.main(["--out", str(tmp_path), "--device", "cpu", "--new-tokens", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 2 and all(e.startswith("error: ") for e in err)
+    assert len(err) == 3 and all(e.startswith("error: ") for e in err)

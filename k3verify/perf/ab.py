@@ -54,15 +54,17 @@ class ABResult:
 
 
 def interleaved(run_a: Callable[[], Any], run_b: Callable[[], Any], *, repeats: int, tokens: int,
-                labels: tuple[str, str] = ("reference", "candidate")) -> ABResult:
+                labels: tuple[str, str] = ("reference", "candidate"), self_timed: bool = False) -> ABResult:
+    """self_timed: each run returns the seconds of the part it times itself (e.g. the decode steps
+    after an engine's set-up), in place of the whole call's."""
     run_a(), run_b()                                        # warm-up, not timed
     ta, tb = [], []
     for i in range(repeats):
         order = (("a", run_a), ("b", run_b)) if i % 2 == 0 else (("b", run_b), ("a", run_a))
         for which, fn in order:
             t0 = time.perf_counter()
-            fn()
-            (ta if which == "a" else tb).append(time.perf_counter() - t0)
+            got = fn()
+            (ta if which == "a" else tb).append(float(got) if self_timed else time.perf_counter() - t0)
     return ABResult(labels[0], labels[1], ta, tb, tokens)
 
 

@@ -6,7 +6,10 @@
 The counted stack (serving/stack.py) decodes `batch` requests of a copied `context` (fast_bench_setup:
 no prefill timed) for `new_tokens` steps, interleaved with the same run under a Capture observer
 (hashes of every logits row, KDA state and MLA rows: what `k3verify diff` records), `repeats`
-rounds after a warm pair. With an observer the batched step keeps its rows (FastDecoder.run
+rounds after a warm pair. Each arm times the decode steps after the first (the engine's set-up and
+its first step, where graphs are captured, are the same in both and would dilute the figure:
+session 15's +55% at B = 16 was of whole runs, ~95% set-up); the whole-run figure stays beside it
+as "with_setup". With an observer the batched step keeps its rows (FastDecoder.run
 keep_rows) and the capture hashes them, so the overhead is the copies, the hashing and any
 device-to-host sync they force. Writes DIR/capture_overhead.json: {"overhead": extra time of the
 captured run as a fraction, "ci95": its interval, the median seconds of each arm, the setup}; that
@@ -17,6 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -60,42 +65,107 @@ def _overhead(ab) -> dict:
 
 def engine_capture_overhead(model, names: tuple[str, ...], *, batch: int, context: int, new_tokens: int,
                             repeats: int, per_request: bool = False) -> dict:
+    """The headline: the decode steps after the first (`overhead`, per step `extra_ms_per_step`):
+    a steady engine watched against the same engine unwatched. Beside it `with_setup`: the whole run,
+    the engine's construction, the donor's copies and the first step (graph capture) included, the
+    figure sessions <= 15 reported (its set-up dilutes the capture's cost)."""
     from k3verify.capture.capture import Capture
+    if new_tokens < 2:
+        raise ValueError("capture_bench needs new_tokens >= 2: the first step is set-up, the rest are timed")
     donor = Donor.prefill(model, context)
+    totals: dict[str, list[float]] = {}
     with toggles.applied(list(names)) as ap:
         opts = _options(ap.engine, {"max_num_seqs": batch, "kda_pool_slots": batch, "token_budget": max(256, batch),
                                     "device_cache_tokens": cache_tokens_for(batch, context, new_tokens)})
-        captures: list[Capture] = []
 
-        def run(observers: tuple) -> None:
+        def run(arm: str, observers: tuple) -> float:
+            t0 = time.perf_counter()
             eng = seeded_engine(model, opts, donor, batch, new_tokens, observers)
+            eng.step()                              # graphs captured, kernels chosen: not steady state
+            sync()
+            t1 = time.perf_counter()
             eng.run()
             sync()
+            t2 = time.perf_counter()
             assert len(eng.results) == batch and all(r.finish_reason == "length" for r in eng.results.values()), \
                 "a request stopped early: the arms would not time the same work"
+            totals.setdefault(arm, []).append(t2 - t0)
+            return t2 - t1
 
-        def captured() -> None:
-            cap = Capture()
-            run((cap,))
-            captures.append(cap)
-
-        def captured_per_request() -> None:
-            cap = Capture()
-            run((PerRequestCalls(cap),))
-            captures_per_request.append(cap)
+        captures: list[Capture] = []
         captures_per_request: list[Capture] = []
-        ab = interleaved(lambda: run(()), captured, repeats=repeats, tokens=batch * new_tokens,
-                         labels=("no capture", "capture"))
-        before = (interleaved(lambda: run(()), captured_per_request, repeats=repeats, tokens=batch * new_tokens,
-                              labels=("no capture", "capture, per-request calls")) if per_request else None)
+
+        def watched(arm: str, wrap, into: list) -> Callable[[], float]:
+            def go() -> float:
+                cap = Capture()
+                into.append(cap)
+                return run(arm, (wrap(cap),))
+            return go
+        steady_tokens = batch * (new_tokens - 1)
+        ab = interleaved(lambda: run("none", ()), watched("capture", lambda c: c, captures), repeats=repeats,
+                         tokens=steady_tokens, labels=("no capture", "capture"), self_timed=True)
+        setup_ab = _whole_runs(totals, "none", "capture", batch * new_tokens, ("no capture", "capture"))
+        before = None
+        if per_request:
+            totals.pop("none")
+            before = interleaved(lambda: run("none", ()), watched("per_request", PerRequestCalls, captures_per_request),
+                                 repeats=repeats, tokens=steady_tokens, self_timed=True,
+                                 labels=("no capture", "capture, per-request calls"))
+            before_setup = _whole_runs(totals, "none", "per_request", batch * new_tokens,
+                                       ("no capture", "capture, per-request calls"))
     rows = sum(len(rc.logits) for rc in captures[-1].requests.values()) if captures else 0
-    doc = {**_overhead(ab), "stack": list(names), "batch": batch, "context": context, "new_tokens": new_tokens,
-           "repeats": repeats, "captured_logits_rows": rows}
+    steps = new_tokens - 1
+    doc = {**_overhead(ab), "timed": f"decode steps 2..{new_tokens} (the first step and the set-up are not timed)",
+           "extra_ms_per_step": 1e3 * (ab.to_dict()["median_s_b"] - ab.to_dict()["median_s_a"]) / steps,
+           "with_setup": _overhead(setup_ab), "stack": list(names), "batch": batch, "context": context,
+           "new_tokens": new_tokens, "repeats": repeats, "captured_logits_rows": rows,
+           "digest_cost": digest_cost(model, batch)}
     if before is not None:
         # the two forms must have recorded the same digests, or the comparison timed different work
         same = captures[-1].to_json()["requests"] == captures_per_request[-1].to_json()["requests"]
-        doc["per_request"] = {**_overhead(before), "same_digests_as_batched": same}
+        doc["per_request"] = {**_overhead(before), "same_digests_as_batched": same,
+                              "extra_ms_per_step": 1e3 * (before.to_dict()["median_s_b"]
+                                                          - before.to_dict()["median_s_a"]) / steps,
+                              "with_setup": _overhead(before_setup)}
     return doc
+
+
+def digest_cost(model, batch: int, reps: int = 10) -> dict:
+    """What one step's capture launches cost alone, on tensors of the step's shapes (B rows of every
+    KDA layer's four state tensors and of the logits): the stacks and the digests, ms a step, synced.
+    Tells the digest's own cost from the engine-side work around it (the next lever's pointer)."""
+    from k3verify.compare import device_digest
+    st = model.new_state()
+    views = [[t for _ in range(batch)] for kda in st.kda.values() for t in kda.tensors().values()]
+    logits = torch.zeros(batch, model.config.vocab_size, dtype=torch.float32, device=model.device)
+
+    def one_step(stack: bool, digest: bool) -> None:
+        for rows in views:
+            t = torch.stack(rows) if stack or digest else None
+            if digest:
+                device_digest.summary_words(t, rows=True)
+        if digest:
+            device_digest.summary_words(logits, rows=True)
+
+    out = {}
+    for name, stack, digest in (("stack_ms", True, False), ("stack_and_digest_ms", True, True)):
+        one_step(stack, digest)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            one_step(stack, digest)
+        sync()
+        out[name] = 1e3 * (time.perf_counter() - t0) / reps
+    out["tensors_a_step"] = len(views) + 1
+    out["bytes_a_step"] = batch * sum(t.numel() * t.element_size() for kda in st.kda.values()
+                                      for t in kda.tensors().values()) + logits.numel() * 4
+    return out
+
+
+def _whole_runs(totals: dict[str, list[float]], a: str, b: str, tokens: int, labels: tuple[str, str]):
+    """The whole-run seconds the arms recorded, without the warm-up pair's (the first of each)."""
+    from .ab import ABResult
+    return ABResult(labels[0], labels[1], totals[a][1:], totals[b][1:], tokens)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,9 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-request", action="store_true",
                     help="also time the capture through the per-request observer calls (the form before batching)")
     args = ap.parse_args(argv)
-    for name in ("batch", "context", "new_tokens", "repeats"):
-        if getattr(args, name) < 1:
-            print(f"error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}", file=sys.stderr)
+    for name, least in (("batch", 1), ("context", 1), ("new_tokens", 2), ("repeats", 2)):
+        if getattr(args, name) < least:
+            print(f"error: --{name.replace('_', '-')} must be >= {least}, got {getattr(args, name)}", file=sys.stderr)
             return 2
     if args.device not in ("cpu", "cuda") or (args.device == "cuda" and not torch.cuda.is_available()):
         print(f"error: --device {args.device}: expected cpu, or cuda where torch.cuda.is_available()", file=sys.stderr)
@@ -127,13 +197,19 @@ def main(argv: list[str] | None = None) -> int:
                                      per_request=args.per_request)}
     args.out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(args.out / "capture_overhead.json", json.dumps(doc, indent=1))
-    print(f"capture overhead on {model_name} {doc['dtype']} {args.device}, B={args.batch}: "
-          f"{doc['overhead']:+.1%} [{doc['ci95'][0]:+.1%}, {doc['ci95'][1]:+.1%}] "
-          f"({doc['captured_logits_rows']} logits rows hashed a run)")
+    ab = doc["ab"]
+    print(f"capture overhead on {model_name} {doc['dtype']} {args.device}, B={args.batch}, steady decode: "
+          f"{doc['overhead']:+.1%} [{doc['ci95'][0]:+.1%}, {doc['ci95'][1]:+.1%}], {doc['extra_ms_per_step']:+.2f} ms "
+          f"a step ({ab['tokens_per_s_a']:.0f} -> {ab['tokens_per_s_b']:.0f} tok/s); whole run with set-up "
+          f"{doc['with_setup']['overhead']:+.1%} ({doc['captured_logits_rows']} logits rows hashed a run)")
+    dc = doc["digest_cost"]
+    print(f"  one step's {dc['tensors_a_step']} stacks + digests alone ({dc['bytes_a_step'] / 1e6:.1f} MB): "
+          f"{dc['stack_and_digest_ms']:.2f} ms (stacks {dc['stack_ms']:.2f} ms)")
     if "per_request" in doc:
         pr = doc["per_request"]
         print(f"  the same capture through per-request calls: {pr['overhead']:+.1%} "
-              f"[{pr['ci95'][0]:+.1%}, {pr['ci95'][1]:+.1%}]; same digests: {pr['same_digests_as_batched']}")
+              f"[{pr['ci95'][0]:+.1%}, {pr['ci95'][1]:+.1%}], {pr['extra_ms_per_step']:+.2f} ms a step; whole run "
+              f"{pr['with_setup']['overhead']:+.1%}; same digests: {pr['same_digests_as_batched']}")
     return 0
 
 
