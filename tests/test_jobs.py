@@ -229,7 +229,7 @@ def test_negative_control_the_fifth_runs_priors_pile_the_long_unit_onto_a_busy_s
     from k3verify.suites.suite import load_priors
     s = suites.load_suite("release", device="cuda")
     units = suites.expand(s)
-    costs = shards.unit_costs(units, s.priors)           # what each unit costs (the sixth run's seconds)
+    costs = shards.unit_costs(units, s.priors)           # what each unit costs (the seventh run's seconds)
     old = load_priors("golden/reports/gpu-2026-12-04-h200-release-5/units.tsv", str(ROOT / "x.toml"))["priors"]
     plan = shards.assign(units, 14, old)
     loads = [0.0] * 14
