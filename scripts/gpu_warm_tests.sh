@@ -7,8 +7,8 @@
 # after copying this call's triton-cache.tar.gz to .gpu-cache/.
 # 1. fla's KDA kernels for every head size the release suite runs (k3-mini 16:4, golden/k3-dims 128:2,
 #    k3-small 128:8), in parallel (~80-150 s on a fresh machine);
-# 2. the GPU tests (`pytest -m gpu`: the reference on CUDA, the device digest kernel against its torch
-#    form), which also compile this repository's own Triton kernels;
+# 2. the GPU tests (`pytest -m gpu`: the reference on CUDA, the batched capture; and the device digest
+#    kernel's tests against its torch form), which also compile this repository's own Triton kernels;
 # 3. the capture's overhead on the counted engine at B = 16, then 64 (perf/capture_bench.py, the
 #    device digests: issue 27's <= 5% goal), while the call has time. CAPTURE_B (default "16 64") picks
 #    the batches; at the batches in PER_REQUEST_B (default 16) the bench also times the capture through
@@ -33,10 +33,15 @@ done
 wait
 since "fla warm"
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout "$(limit 200)" python3 -m pytest -m gpu tests/test_gpu_reference.py tests/test_triton_digest.py \
-    tests/test_capture_batched.py -q -p no:cacheprovider -rs > "$OUT/logs/pytest-gpu.log" 2>&1
+  # the digest kernel's tests carry no gpu marker (they run under the interpreter in CI): all of them here
+  timeout "$(limit 200)" python3 -m pytest -m gpu tests/test_gpu_reference.py tests/test_capture_batched.py \
+    -q -p no:cacheprovider -rs > "$OUT/logs/pytest-gpu.log" 2>&1
   since "pytest -m gpu rc=$?"
   tail -3 "$OUT/logs/pytest-gpu.log"
+  timeout "$(limit 120)" python3 -m pytest tests/test_triton_digest.py -q -p no:cacheprovider -rs \
+    > "$OUT/logs/pytest-digest-kernel.log" 2>&1
+  since "pytest digest kernel rc=$?"
+  tail -3 "$OUT/logs/pytest-digest-kernel.log"
 fi
 for b in ${CAPTURE_B-16 64}; do
   [ "$(limit 60)" -lt 60 ] && { since "capture bench B=$b: no time left"; break; }

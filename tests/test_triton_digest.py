@@ -16,9 +16,9 @@ from triton_env import DEVICE, MARKS
 pytestmark = MARKS
 
 
-def _kernel(t, rows=False):
+def _kernel(t, rows=False, per_element_mod=False):
     from k3verify.compare.digest_kernel import summary_words
-    return summary_words(t.to(DEVICE), rows).cpu()
+    return summary_words(t.to(DEVICE), rows, per_element_mod=per_element_mod).cpu()
 
 
 def _torch(t, rows=False):
@@ -46,12 +46,14 @@ def test_kernel_words_are_the_torch_forms(dtype, shape):
 
 
 def test_rows_and_nonfinite_values_word_for_word():
-    t = torch.randn(4, 900)                           # 1800 halves a row: two blocks
-    t[1, 700], t[1, 3], t[2, 899], t[3, 5] = math.inf, math.nan, -math.inf, math.nan
+    from k3verify.compare.digest_kernel import BLOCK
+    width = BLOCK // 2 + 400                          # BLOCK + 800 halves a row: two blocks of the lanes
+    t = torch.randn(4, width)
+    t[1, BLOCK // 2 + 100], t[1, 3], t[2, width - 1], t[3, 5] = math.inf, math.nan, -math.inf, math.nan
     t[3, 6] = math.inf
     k, r = _kernel(t, rows=True), _torch(t, rows=True)
     assert _same(k, r)
-    assert [dd.read_words(row.tolist())[1] for row in k] == [None, (2, 3, 1), (1, 899, 3), (2, 5, 1)]
+    assert [dd.read_words(row.tolist())[1] for row in k] == [None, (2, 3, 1), (1, width - 1, 3), (2, 5, 1)]
     bf = t.to(torch.bfloat16)
     assert _same(_kernel(bf, rows=True), _torch(bf, rows=True))
 
@@ -62,3 +64,16 @@ def test_negative_control_a_changed_element_changes_the_words():
     other[555] = torch.nextafter(other[555], torch.tensor(math.inf))
     assert not _same(_kernel(t), _kernel(other))
     assert dd.read_words(_kernel(t)[0].tolist())[0] == [int(v) for v in dd.digest_lanes(t)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8], ids=lambda d: str(d)[6:])
+def test_one_remainder_a_block_reads_as_a_remainder_a_product(dtype):
+    """The block-sum form (one remainder per 4096 products) and the form before it (a remainder per
+    product, perf/capture_bench.py's A/B) leave the same words mod p; the lanes' raw partial sums
+    differ, which shows the two forms did run different arithmetic."""
+    from k3verify.compare.digest_kernel import BLOCK
+    g = torch.Generator().manual_seed(3)
+    t = (torch.rand(3, BLOCK + 5, generator=g) * 250).to(dtype)
+    new, old = _kernel(t, rows=True), _kernel(t, rows=True, per_element_mod=True)
+    assert _same(new, old) and _same(new, _torch(t, rows=True))
+    assert not torch.equal(new[:, :dd.LANES], old[:, :dd.LANES])

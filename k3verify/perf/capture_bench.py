@@ -133,29 +133,54 @@ def engine_capture_overhead(model, names: tuple[str, ...], *, batch: int, contex
 def digest_cost(model, batch: int, reps: int = 10) -> dict:
     """What one step's capture launches cost alone, on tensors of the step's shapes (B rows of every
     KDA layer's four state tensors and of the logits): the stacks and the digests, ms a step, synced.
-    Tells the digest's own cost from the engine-side work around it (the next lever's pointer)."""
+    Tells the digest's own cost from the engine-side work around it (the next lever's pointer). On
+    CUDA the kernel's two forms are timed interleaved in this process (compare/digest_kernel.py: one
+    remainder a block, and a remainder a product, the form before session 17), with their words equal."""
     from k3verify.compare import device_digest
     st = model.new_state()
     views = [[t for _ in range(batch)] for kda in st.kda.values() for t in kda.tensors().values()]
     logits = torch.zeros(batch, model.config.vocab_size, dtype=torch.float32, device=model.device)
+    kernel = None
+    if model.device.type == "cuda":
+        from k3verify.compare.digest_kernel import summary_words as kernel
 
-    def one_step(stack: bool, digest: bool) -> None:
+    def words(t, form: str):
+        if form == "default":
+            return device_digest.summary_words(t, rows=True)
+        return kernel(t, rows=True, per_element_mod=form == "per_element_mod")
+
+    def one_step(stack: bool, form: str | None) -> list:
+        out = []
         for rows in views:
-            t = torch.stack(rows) if stack or digest else None
-            if digest:
-                device_digest.summary_words(t, rows=True)
-        if digest:
-            device_digest.summary_words(logits, rows=True)
+            t = torch.stack(rows) if stack or form else None
+            if form:
+                out.append(words(t, form))
+        if form:
+            out.append(words(logits, form))
+        return out
 
-    out = {}
-    for name, stack, digest in (("stack_ms", True, False), ("stack_and_digest_ms", True, True)):
-        one_step(stack, digest)
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            one_step(stack, digest)
-        sync()
-        out[name] = 1e3 * (time.perf_counter() - t0) / reps
+    arms = [("stack_ms", True, None), ("stack_and_digest_ms", True, "default")]
+    if kernel is not None:
+        arms += [("stack_and_digest_block_mod_ms", True, "block_mod"),
+                 ("stack_and_digest_per_element_mod_ms", True, "per_element_mod")]
+    times: dict[str, list[float]] = {name: [] for name, _, _ in arms}
+    for name, stack, form in arms:                   # compile and warm every form first
+        one_step(stack, form)
+    sync()
+    for _ in range(3):                               # rounds interleave the arms
+        for name, stack, form in arms:
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                one_step(stack, form)
+            sync()
+            times[name].append(1e3 * (time.perf_counter() - t0) / reps)
+    out = {name: min(v) for name, v in times.items()}
+    if kernel is not None:
+        a, b = one_step(True, "block_mod"), one_step(True, "per_element_mod")
+        L = device_digest.LANES
+        out["forms_same_words"] = all(torch.equal(x[:, :L] % device_digest.P, y[:, :L] % device_digest.P)
+                                      and torch.equal(x[:, L:], y[:, L:]) for x, y in zip(a, b))
     out["tensors_a_step"] = len(views) + 1
     out["bytes_a_step"] = batch * sum(t.numel() * t.element_size() for kda in st.kda.values()
                                       for t in kda.tensors().values()) + logits.numel() * 4
@@ -200,11 +225,16 @@ def main(argv: list[str] | None = None) -> int:
     ab = doc["ab"]
     print(f"capture overhead on {model_name} {doc['dtype']} {args.device}, B={args.batch}, steady decode: "
           f"{doc['overhead']:+.1%} [{doc['ci95'][0]:+.1%}, {doc['ci95'][1]:+.1%}], {doc['extra_ms_per_step']:+.2f} ms "
-          f"a step ({ab['tokens_per_s_a']:.0f} -> {ab['tokens_per_s_b']:.0f} tok/s); whole run with set-up "
+          f"a step ({ab['tokens_per_s_a']:.0f} -> {ab['tokens_per_s_b']:.0f} tok/s, an unwatched step "
+          f"{1e3 * args.batch / ab['tokens_per_s_a']:.2f} ms); whole run with set-up "
           f"{doc['with_setup']['overhead']:+.1%} ({doc['captured_logits_rows']} logits rows hashed a run)")
     dc = doc["digest_cost"]
     print(f"  one step's {dc['tensors_a_step']} stacks + digests alone ({dc['bytes_a_step'] / 1e6:.1f} MB): "
           f"{dc['stack_and_digest_ms']:.2f} ms (stacks {dc['stack_ms']:.2f} ms)")
+    if "stack_and_digest_per_element_mod_ms" in dc:
+        print(f"  the kernel's forms, stacks included: one remainder a block {dc['stack_and_digest_block_mod_ms']:.2f} ms, "
+              f"a remainder a product (before) {dc['stack_and_digest_per_element_mod_ms']:.2f} ms; "
+              f"same words: {dc['forms_same_words']}")
     if "per_request" in doc:
         pr = doc["per_request"]
         print(f"  the same capture through per-request calls: {pr['overhead']:+.1%} "
