@@ -103,6 +103,41 @@ def test_a_flipped_element_changes_that_request_only(monkeypatch, scheme):
     assert differ == [("r1", "kda"), ("r2", "logits")]
 
 
+
+def test_batched_calls_file_their_items_when_read_in_call_order(monkeypatch):
+    """The device capture's batched calls only launch and append (the step files nothing: the items
+    of B requests x 37 tensors a step cost ~7 ms of Python at B = 64); `requests` files them when
+    read. A per-request call after a batched one for the same key replaces its item, as it did when
+    the batched call filed at once (the control: the order reversed keeps the other item)."""
+    monkeypatch.setenv("K3_DIGEST", "m31x4")
+    g = torch.Generator().manual_seed(5)
+    stacked = {k: torch.randn(2, 3, 4, generator=g) for k in ("recurrent", "conv_q", "conv_k", "conv_v")}
+    points = [("r0", 3), ("r1", 5)]
+    from optimized_stack.model.kda import KDAState
+    other = KDAState(*(torch.randn(3, 4, generator=g) for _ in range(4)))
+
+    def batched_then_direct(direct_last: bool) -> str:
+        cap = Capture()
+        if not direct_last:
+            cap.on_kda_state("r0", 3, 1, other)
+        cap.on_kda_states(points, 1, stacked)
+        assert len(cap._deferred) == 4 and "r1" not in cap._requests      # nothing filed in the step
+        if direct_last:
+            cap.on_kda_state("r0", 3, 1, other)
+            assert not cap._deferred                                        # filed before the direct call
+        return cap.requests["r0"].kda[3][(1, "recurrent")].digest
+
+    direct = Capture()
+    direct.on_kda_state("r0", 3, 1, other)
+    from_stack = Capture()
+    from_stack.on_kda_states(points, 1, stacked)
+    want_direct = direct.requests["r0"].kda[3][(1, "recurrent")].digest
+    want_stack = from_stack.requests["r0"].kda[3][(1, "recurrent")].digest
+    assert want_direct != want_stack
+    assert batched_then_direct(direct_last=True) == want_direct
+    assert batched_then_direct(direct_last=False) == want_stack
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("names", [("batched_decode",), ("batched_decode", "cuda_graphs")], ids=["eager", "graphs"])
