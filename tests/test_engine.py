@@ -215,3 +215,26 @@ def test_kda_state_pool_slots_and_conv_restore(model):
     assert not any(torch.equal(pool.view(s1)[i].conv_k, st.kda[i].conv_k) for i in st.kda)
     pool.release(s1)
     assert pool.acquire() == s1 and not pool.view(s1)[next(iter(st.kda))].recurrent.any()
+
+
+def test_pool_gather_is_each_slots_state_row_for_row(model):
+    """The observers' stacked copies (gather by slot, one index_select per layer and tensor) hold,
+    row i, the state of slots[i], in any slot order; copies, not views of the pool. The control:
+    two slots with different states swapped in the list swap the rows."""
+    pool = KDAStatePool(model.new_state().kda, slots=3)
+    slots = [pool.acquire() for _ in range(3)]
+    for seed, slot in zip((1, 2, 3), slots):
+        st = model.new_state()
+        model.forward(torch.tensor(prompt(seed, 5 + seed)), st)
+        pool.load(slot, st.kda)
+    order = [slots[2], slots[0]]
+    got = pool.gather(order)
+    assert set(got) == set(pool.layers)
+    for layer, tensors in got.items():
+        for name, t in tensors.items():
+            want = torch.stack([pool.view(s)[layer].tensors()[name] for s in order])
+            assert torch.equal(t, want) and t.data_ptr() != pool.pools[layer][name].data_ptr()
+    swapped = pool.gather(order[::-1])
+    layer = pool.layers[0]
+    assert torch.equal(swapped[layer]["recurrent"][0], got[layer]["recurrent"][1])
+    assert not torch.equal(swapped[layer]["recurrent"][0], got[layer]["recurrent"][0])

@@ -367,11 +367,10 @@ class Engine:
 
     def _observe_kda_states(self, reqs: list[Request]) -> None:
         """Every stepped request's KDA state, after its tokens were taken and before any finishes:
-        per layer and tensor one stacked copy of all requests' rows (one launch, not one per request)."""
-        states = [self.store.kda_states(req) for req in reqs]
+        per layer and tensor one stacked copy of all requests' rows (one launch, not one per request;
+        the paged store gathers them from its pool by slot, no per-request views)."""
         points = [(req.request_id, req.num_computed) for req in reqs]
-        for layer in states[0]:
-            stacked = {name: torch.stack([getattr(st[layer], name) for st in states]) for name in KDA_TENSOR_NAMES}
+        for layer, stacked in self.store.kda_states_stacked(reqs).items():
             for obs in self.observers:
                 emit_kda_states(obs, points, layer, stacked)
 

@@ -48,6 +48,14 @@ class KDAStatePool:
         return {i: KDAState(p["recurrent"][slot], p["conv_q"][slot], p["conv_k"][slot], p["conv_v"][slot])
                 for i, p in self.pools.items()}
 
+    def gather(self, slots: list[int]) -> dict[int, dict[str, torch.Tensor]]:
+        """Copies of the slots' state, stacked: layer -> name -> [len(slots), ...], row i slot
+        slots[i]. One index_select per layer and tensor (an observer's batched call: per request
+        views and a stack were B x layers x 4 indexing ops a step)."""
+        any_pool = next(iter(next(iter(self.pools.values())).values()))
+        index = torch.tensor(slots, dtype=torch.long).to(any_pool.device, non_blocking=True)
+        return {i: {name: t.index_select(0, index) for name, t in p.items()} for i, p in self.pools.items()}
+
     def store(self, slot: int, states: Snapshot) -> None:
         for i, st in states.items():
             for name, t in st.tensors().items():

@@ -71,6 +71,12 @@ class PlainStore:
         assert req.state is not None
         return req.state.kda
 
+    def kda_states_stacked(self, reqs: list[Request]) -> dict[int, dict[str, torch.Tensor]]:
+        """layer -> name -> [len(reqs), ...]: copies of the requests' KDA state, row i reqs[i]'s."""
+        states = [self.kda_states(req) for req in reqs]
+        return {layer: {name: torch.stack([st[layer].tensors()[name] for st in states])
+                        for name in states[0][layer].tensors()} for layer in states[0]}
+
     def mla_rows(self, req: Request) -> Rows:
         assert req.state is not None
         return dict(req.state.mla)
@@ -382,6 +388,11 @@ class PagedStore:
     def kda_states(self, req: Request) -> dict:
         assert req.slot is not None
         return self.pool.view(req.slot)
+
+    def kda_states_stacked(self, reqs: list[Request]) -> dict[int, dict[str, torch.Tensor]]:
+        """PlainStore.kda_states_stacked's copies, gathered from the pool by slot."""
+        assert all(req.slot is not None for req in reqs)
+        return self.pool.gather([req.slot for req in reqs])
 
     def mla_rows(self, req: Request) -> Rows:
         return {i: t.clone() for i, t in self.mla.gather(req.blocks, req.num_computed).items()}
