@@ -52,8 +52,8 @@ class KDAStatePool:
         """Copies of the slots' state, stacked: layer -> name -> [len(slots), ...], row i slot
         slots[i]. One index_select per layer and tensor (an observer's batched call: per request
         views and a stack were B x layers x 4 indexing ops a step)."""
-        any_pool = next(iter(next(iter(self.pools.values())).values()))
-        index = torch.tensor(slots, dtype=torch.long).to(any_pool.device, non_blocking=True)
+        device = next(iter(next(iter(self.pools.values())).values())).device
+        index = torch.tensor(slots, dtype=torch.long, device=device)
         return {i: {name: t.index_select(0, index) for name, t in p.items()} for i, p in self.pools.items()}
 
     def store(self, slot: int, states: Snapshot) -> None:
