@@ -84,9 +84,11 @@ EVENTS = {
 
 # Events no scenario can fire while the engine cuts KDA on the 64-token grid (the GPU profile;
 # kernels/kda/grid.py): the store reuses state only where it was computed on the chunked path,
-# i.e. up to the computing request's 64-aligned prompt length (engine/store.py). Measured on the
-# CPU twin (cpu_grid_kda) at full scale over every prefix scenario: never fired. A verdict on the
-# grid does not wait for them, and a toggle all of whose events are here does not apply there.
+# i.e. at grid points up to the computing request's 64-aligned prompt length (engine/store.py).
+# Measured on the CPU twin (cpu_grid_kda) at full scale over every prefix scenario: never fired.
+# A verdict on the grid does not wait for them, and a toggle all of whose events are here does
+# not apply there. The two sub-block events are impossible only where every reusable checkpoint
+# is a block boundary (SUB_BLOCK_EVENTS, decided from the engine options in force).
 OFF_GRID_IMPOSSIBLE = {
     "prefix_hit_on_generated": "a checkpoint past the computing request's aligned prompt length (over "
                                "tokens it generated) is never reused on the 64-token KDA grid",
@@ -95,6 +97,22 @@ OFF_GRID_IMPOSSIBLE = {
     "prefix_hit_inside_block": "on the 64-token KDA grid a hit inside a block restarts from the last aligned "
                                "checkpoint (a block-boundary hit) and recomputes the rest",
 }
+SUB_BLOCK_EVENTS = ("prefix_hit_tail_ckpt", "prefix_hit_inside_block")
+
+
+def _reusable_inside_blocks(grid: int, engine: dict | None) -> bool:
+    """Whether a checkpoint reusable on `grid` can fall inside a block: checkpoints every
+    `spacing` tokens are reusable at multiples of lcm(spacing, grid), and those are all block
+    boundaries iff block_size divides that lcm (64-token blocks: always)."""
+    from math import lcm
+
+    from .engine.options import EngineOptions
+    defaults = EngineOptions.__dataclass_fields__
+    engine = engine or {}
+    block = engine.get("block_size", defaults["block_size"].default)
+    spacing = (engine.get("checkpoint_interval", defaults["checkpoint_interval"].default)
+               if engine.get("prefix_cache_subblock") else block)
+    return lcm(spacing, grid) % block != 0
 
 
 # Events that fire only at some model dims: a loop over 64-wide head-dim tiles (as the GPU kernels
@@ -109,10 +127,14 @@ DIMS_NEEDED = {
 }
 
 
-def impossible(declared: tuple[str, ...] | list[str], grid: int | None, config=None) -> dict[str, str]:
-    """The declared events that cannot fire on this KDA grid (none off the grid) or at this model's
-    dims (`config`, a K3Config), with why."""
-    out = {e: OFF_GRID_IMPOSSIBLE[e] for e in declared if grid and e in OFF_GRID_IMPOSSIBLE}
+def impossible(declared: tuple[str, ...] | list[str], grid: int | None, config=None,
+               engine: dict | None = None) -> dict[str, str]:
+    """The declared events that cannot fire on this KDA grid (none off the grid), with the engine
+    options in force there (`engine`, a dict of EngineOptions fields; defaults where absent), or
+    at this model's dims (`config`, a K3Config), with why."""
+    inside = bool(grid) and _reusable_inside_blocks(grid, engine)
+    out = {e: OFF_GRID_IMPOSSIBLE[e] for e in declared
+           if grid and e in OFF_GRID_IMPOSSIBLE and not (inside and e in SUB_BLOCK_EVENTS)}
     for e in declared:
         if config is not None and e in DIMS_NEEDED:
             field, width, why = DIMS_NEEDED[e]

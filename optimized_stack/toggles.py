@@ -159,6 +159,10 @@ class Toggle:
     world_sizes: tuple[int, ...] = (1,)
     # engine options this toggle sets (EngineOptions field -> value)
     engine: dict[str, Any] = field(default_factory=dict)
+    # engine options that replace `engine`'s where the engine cuts KDA on a grid (the GPU profile,
+    # kernels/kda/grid.py): a toggle whose path needs checkpoints off the block boundaries sets a
+    # block wider than the grid there (see engine_at)
+    engine_on_grid: dict[str, Any] = field(default_factory=dict)
     # options for the verifier's plain sequential runner (prefill split, state round trip)
     runner: dict[str, Any] = field(default_factory=dict)
     # op-table slots it swaps (OpTable field -> implementation with the slot's signature)
@@ -205,6 +209,8 @@ class Toggle:
             close = difflib.get_close_matches(bad[0], slots, n=1)
             raise K3Error(f"toggle {self.name!r}: unknown op slot {bad[0]!r}"
                           f"{f'; did you mean {close[0]!r}?' if close else ''} (slots: {', '.join(slots)})")
+        if self.engine_on_grid and not self.engine:
+            raise K3Error(f"toggle {self.name!r}: engine_on_grid qualifies engine options, and it sets none")
         object.__setattr__(self, "events", tuple(self.events))
         for e in self.events:
             check_name(e, slots, f"toggle {self.name!r}")
@@ -213,7 +219,8 @@ class Toggle:
         return {"name": self.name, "kind": self.kind, "contract": self.contract.to_dict(),
                 "touches": list(self.touches), "description": self.description,
                 "devices": list(self.devices), "world_sizes": list(self.world_sizes),
-                "engine": dict(self.engine), "runner": dict(self.runner), "ops": sorted(self.ops),
+                "engine": dict(self.engine), "engine_on_grid": dict(self.engine_on_grid),
+                "runner": dict(self.runner), "ops": sorted(self.ops),
                 "not_exact_on": dict(self.not_exact_on),
                 "requires": list(self.requires),
                 "scenario_tags": list(self.scenario_tags), "exercised_by": list(self.exercised_by),
@@ -271,6 +278,22 @@ class Applied:
     ops: dict[str, Callable[..., Any]]
     # calls of each swapped slot's implementation ("op:<slot>"), counted while applied
     events: Events = field(default_factory=Events)
+    engine_on_grid: dict[str, Any] = field(default_factory=dict)
+
+    def engine_at(self, grid: int | None) -> dict[str, Any]:
+        """The engine options in force on KDA grid `grid` (None: off any grid)."""
+        return {**self.engine, **self.engine_on_grid} if grid and self.engine else dict(self.engine)
+
+    def engine_for(self, device: Any) -> dict[str, Any]:
+        """The engine options for an engine on `device`, on the KDA grid it will cut on there."""
+        from .kernels.kda.grid import grid_in_force
+        return self.engine_at(grid_in_force(device, self.engine.get("kda_grid")))
+
+
+def engine_options(names: list[str] | tuple[str, ...], grid: int | None) -> dict[str, Any]:
+    """The merged engine options of `names` (and what they require) on KDA grid `grid`."""
+    toggles = resolve(names)
+    return {**_merge(toggles, "engine"), **(_merge(toggles, "engine_on_grid") if grid else {})}
 
 
 def _merge(toggles: list[Toggle], attr: str) -> dict[str, Any]:
@@ -293,7 +316,8 @@ def applied(names: list[str] | tuple[str, ...]) -> Iterator[Applied]:
     engine / runner options they ask for. Two toggles that want one slot differently, or one
     engine option differently, are refused."""
     toggles = resolve(names)
-    result = Applied(toggles, _merge(toggles, "engine"), _merge(toggles, "runner"), _merge(toggles, "ops"))
+    result = Applied(toggles, _merge(toggles, "engine"), _merge(toggles, "runner"), _merge(toggles, "ops"),
+                     engine_on_grid=_merge(toggles, "engine_on_grid"))
     counted = {slot: _counted(fn, OP_PREFIX + slot, result.events) for slot, fn in result.ops.items()}
     with op_table.override(**counted):
         yield result

@@ -14,7 +14,8 @@ from optimized_stack.kernels.kda.grid import GRID, cpu_grid_kda, grid_end, grid_
 from optimized_stack.model import ops
 from optimized_stack.model.kda import kda_recurrent
 from model_fixtures import model  # noqa: F401  (the module-scoped k3-mini fixture)
-from test_engine_toggles import SCENARIOS, compare, drive, run_toggles, summary
+from optimized_stack.engine.toggle_defs import SUB_ON_GRID
+from test_engine_toggles import SCENARIOS, compare, drive, drive_engine, run_toggles, summary
 
 
 @pytest.mark.parametrize("start, end, prompt, want", [
@@ -91,6 +92,10 @@ CASES = {
     "prefix_cache-forks": (["prefix_cache"], "forks", {}),
     "prefix_cache_subblock-multiturn": (["prefix_cache_subblock"], "multiturn", {}),
     "ckpt_with_mla_tail-forks": (["ckpt_with_mla_tail"], "forks", {}),
+    # the options the sub-block toggles run with on the grid (toggle_defs.SUB_ON_GRID: 128-token
+    # blocks, a checkpoint every 64 tokens), under which their own hits happen there
+    "prefix_cache_subblock-forks-grid_blocks": (["prefix_cache_subblock"], "forks", SUB_ON_GRID),
+    "ckpt_with_mla_tail-multiturn-grid_blocks": (["ckpt_with_mla_tail"], "multiturn", SUB_ON_GRID),
     "host_kv_tier-multiturn_tiny": (["host_kv_tier"], "multiturn_tiny", {}),
     "preemption_recompute-pressure": (["preemption"], "pressure", {}),
     "all-forks": (["continuous_batching", "chunked_prefill", "ckpt_with_mla_tail", "projected_kv_cache",
@@ -137,6 +142,35 @@ def test_on_the_grid_prefix_hits_stop_at_the_last_aligned_checkpoint(model, grid
     off_grid = run_toggles(model, ["ckpt_with_mla_tail"], SCENARIOS["forks"])
     assert 0 < cand.metrics.prefix_hit_tokens < off_grid.metrics.prefix_hit_tokens
     assert cand.metrics.prefix_hit_tokens % GRID == 0
+
+
+SUB_BLOCK = {"prefix_cache_subblock": "prefix_hit_inside_block", "ckpt_with_mla_tail": "prefix_hit_tail_ckpt"}
+
+
+# subblock alone hits inside a block only where a full block past the hit is cached, as in a fork
+# of a longer request (in multiturn the partial block past turn one's aligned end is never
+# registered); the tail travels with its checkpoint, so it hits in either
+@pytest.mark.parametrize("toggle, scenario", [("prefix_cache_subblock", "forks"), ("ckpt_with_mla_tail", "forks"),
+                                              ("ckpt_with_mla_tail", "multiturn")])
+def test_with_128_token_blocks_the_sub_block_hits_happen_on_the_grid_and_stay_exact(model, grid_reference,
+                                                                                    toggle, scenario):
+    """The GPU report listed prefix_cache_subblock and ckpt_with_mla_tail as inert: with 64-token
+    blocks every checkpoint reusable on the grid is a block boundary. With the options they run
+    with on the grid (Applied.engine_at), the checkpoint at 64 lies inside a 128-token block:
+    their own hits happen, and every logits row and KDA state point still matches the grid
+    reference. The control is the same run with the toggle's own 64-token blocks: no such hit."""
+    from optimized_stack import toggles
+    with ops.override(kda_prefill=cpu_grid_kda), toggles.applied([toggle]) as applied:
+        opts = applied.engine_at(grid_in_force("cpu"))
+        assert opts["block_size"] == 128 and opts["checkpoint_interval"] == GRID
+        cand, engine = drive_engine(model, SCENARIOS[scenario], EngineOptions.from_dict(opts))
+        bad = compare(grid_reference(scenario), cand, GridOracle(model))
+        _, control = drive_engine(model, SCENARIOS[scenario], EngineOptions.from_dict(applied.engine))
+    assert engine.events[SUB_BLOCK[toggle]] > 0, dict(engine.events)
+    assert not any(bad.values()), f"{toggle} with 128-token blocks on the grid: {summary(bad)}"
+    assert cand.cap.kda_points and cand.cap.logits
+    assert control.events[SUB_BLOCK[toggle]] == 0 and control.events["prefix_hit_block"] > 0, \
+        "negative control: with 64-token blocks the sub-block hit cannot happen on the grid"
 
 
 def test_a_checkpoint_fault_runs_on_the_grid_and_is_caught(model, grid_reference):

@@ -109,7 +109,7 @@ def bench(args: argparse.Namespace) -> dict:
             # the pair's reference runs outside the candidate's patches (an op swap must not leak)
             ref_times.append(drive(model, wl, EngineOptions())[0])
             with toggles.applied(names) as applied:
-                opts = EngineOptions.from_dict({**applied.engine, **extra})
+                opts = EngineOptions.from_dict({**applied.engine_for(model.device), **extra})
                 dt, tokens, eng = drive(model, wl, opts)
             cand_times.append(dt)
             same = same and tokens == ref_tokens

@@ -88,8 +88,8 @@ def _options(applied_engine: dict, extra: dict) -> EngineOptions:
 def check_run(model, names: tuple[str, ...], prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
     cap = _Logits()
     with toggles.applied(list(names)) as ap:
-        opts = _options(ap.engine, {"max_num_seqs": len(prompts), "kda_pool_slots": len(prompts),
-                                    "token_budget": 4096})
+        opts = _options(ap.engine_for(model.device), {"max_num_seqs": len(prompts),
+                                                      "kda_pool_slots": len(prompts), "token_budget": 4096})
         eng = Engine(model, opts, [cap])
         for i, p in enumerate(prompts):
             eng.add_request(p, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True), request_id=f"c{i}",
@@ -184,8 +184,9 @@ def decode_cell(model, names: tuple[str, ...], donor: Donor, batch: int, args, h
         paged = any(ap.engine.get(k) for k in PAGED)
         if not paged and batch > 1:
             return {"skipped": "the reference engine runs one request at a time: its tok/s is B=1's"}
-        opts = _options(ap.engine, {"max_num_seqs": batch, "kda_pool_slots": batch, "token_budget": batch * (context + 1),
-                                    "device_cache_tokens": cache_tokens_for(batch, context, new)})
+        opts = _options(ap.engine_for(model.device),
+                        {"max_num_seqs": batch, "kda_pool_slots": batch, "token_budget": batch * (context + 1),
+                         "device_cache_tokens": cache_tokens_for(batch, context, new)})
         eng = seeded_engine(model, opts, donor, batch, new)
         warm = []
         for _ in range(args.warmup + ("cuda_graphs" in names)):      # a graph's first step captures

@@ -49,7 +49,8 @@ def run_scenario(model, scenario, toggle_names: tuple[str, ...] | list[str] = ()
             raise ValueError(f"unknown runner option {sorted(unknown)[0]!r}; known: {sorted(RUNNER_OPTIONS)}")
         try:
             if applied.engine:
-                cap.metrics = _run_engine(model, scenario, applied.engine, [cap, *observers], force, events)
+                cap.metrics = _run_engine(model, scenario, applied.engine_for(model.device), [cap, *observers],
+                                          force, events)
             else:
                 _run_sequential(model, scenario, applied.runner, [cap, *observers], force, events)
         except NonFiniteLogits as exc:

@@ -46,6 +46,13 @@ def model_device(model) -> str:
     return next(model.parameters()).device.type
 
 
+def _impossible(toggle, grid: int | None, config) -> dict[str, str]:
+    """The toggle's declared events that cannot fire on `grid` with the engine options it runs
+    with there (toggles.engine_options: its engine_on_grid where a grid is in force)."""
+    engine = toggle_registry.engine_options([toggle.name], grid) if toggle.engine else None
+    return impossible_events(toggle.events, grid, config, engine)
+
+
 def applies(toggle, scenario, device: str = "cpu", world_size: int = 1, config=None) -> str | None:
     """None if the toggle applies to the scenario here; else the reason it does not."""
     if device not in toggle.devices:
@@ -54,7 +61,7 @@ def applies(toggle, scenario, device: str = "cpu", world_size: int = 1, config=N
         return f"not exact on {device}: {toggle.not_exact_on[device]}"
     if world_size not in toggle.world_sizes:
         return f"toggle runs at world size {', '.join(map(str, toggle.world_sizes))}, not {world_size}"
-    cannot = impossible_events(toggle.events, grid_in_force(device), config)
+    cannot = _impossible(toggle, grid_in_force(device), config)
     if toggle.kind == "mutant" and toggle.events and len(cannot) == len(toggle.events):
         # a seeded fault whose path cannot run here cannot be caught here; an optimization
         # like it is still run (switched on it must change no bit) and reads `not exercised`
@@ -100,7 +107,7 @@ def event_evidence(toggle, cand: Capture, grid: int | None = None, config=None) 
     """The counters a verdict shows: declared events with their counts, the missing ones (of those
     that can fire on this KDA grid), every counter that fired, and the engine's reuse statistics
     (theoretical vs achieved)."""
-    cannot = impossible_events(toggle.events, grid, config)
+    cannot = _impossible(toggle, grid, config)
     ev = {"events": {e: int(cand.events.get(e, 0)) for e in toggle.events},
           "events_missing": missing_events([e for e in toggle.events if e not in cannot], cand.events),
           "counters": dict(sorted(cand.events.items()))}

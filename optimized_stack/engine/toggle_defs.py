@@ -19,6 +19,13 @@ PC = {"prefix_cache": True}
 SUB = {**PC, "prefix_cache_subblock": True}
 TAIL = {**SUB, "ckpt_with_mla_tail": True}
 HOST = {**PC, "host_kv_tier": True, "device_cache_tokens": DEVICE_TOKENS}
+# On the 64-token KDA grid (the GPU profile) a checkpoint is reusable only on the grid, up to the
+# computing request's aligned prompt (store.py _ckpt_point): with 64-token blocks every such point is
+# a block boundary, so no hit lands inside a block and no MLA tail is stored, and the sub-block
+# toggles would be inert there. 128-token blocks put the grid point at 64 inside a block; its state
+# is the chunked path's, as at a block boundary (events.py impossible reads these options).
+SUB_ON_GRID = {"block_size": 128, "checkpoint_interval": 64}
+ON_GRID = {"prefix_cache_subblock": SUB_ON_GRID, "ckpt_with_mla_tail": SUB_ON_GRID}
 CB = {"continuous_batching": True}
 PRE = {**CB, "preemption": True, "device_cache_tokens": DEVICE_TOKENS}
 SWAP = {**PRE, "preempt_mode": "swap"}
@@ -53,14 +60,15 @@ def _opt(name: str, description: str, engine: dict) -> None:
     # what it requires is options.REQUIRES's (the toggle named after each needed option)
     requires = tuple(o for o in required_options(engine) if o != name)
     register(Toggle(name=name, description=description, contract=EXACT, touches=ALL,
-                    engine=engine, requires=requires, exercised_by=EXERCISED_BY.get(name, ()),
-                    events=EVENTS[name]))
+                    engine=engine, engine_on_grid=ON_GRID.get(name, {}), requires=requires,
+                    exercised_by=EXERCISED_BY.get(name, ()), events=EVENTS[name]))
 
 
 def _mut(name: str, of: str, description: str, engine: dict, caught_by: tuple[str, ...], lives_in: str,
          events: tuple[str, ...]) -> None:
     register(Toggle(name=name, description=description, contract=EXACT, touches=ALL, kind="mutant",
-                    engine={**engine, "faults": (name,)}, caught_by=caught_by, lives_in=lives_in,
+                    engine={**engine, "faults": (name,)}, engine_on_grid=ON_GRID.get(of, {}),
+                    caught_by=caught_by, lives_in=lives_in,
                     mutant_of=of, exercised_by=EXERCISED_BY.get(of, ()), events=events))
 
 

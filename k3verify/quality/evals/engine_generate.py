@@ -55,7 +55,8 @@ def engine_generate_fn(model, tokenizer, *, batch: int, add_bos: bool = False,
         with registry.applied(list(stack_toggles)) as applied:
             sized = {"continuous_batching": True, "max_num_seqs": batch, "token_budget": budget,
                      "device_cache_tokens": sum(longest) + 64 * len(longest)}
-            opts = EngineOptions.from_dict({**applied.engine, **sized})
+            # the stack's options on the KDA grid in force (the sub-block toggles' wider blocks)
+            opts = EngineOptions.from_dict({**applied.engine_for(model.device), **sized})
             return _run(Engine(model, opts), encoded, max_new_tokens, stop)
 
     def _run(engine, encoded, max_new_tokens: int, stop: list[str]) -> list[str]:

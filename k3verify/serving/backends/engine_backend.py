@@ -125,7 +125,8 @@ class EngineBackend:
         applied = self._toggles.enter_context(registry.applied(list(stack.resolved)))
         self._op_events = applied.events
         try:
-            self.engine = Engine(model, EngineOptions.from_dict(applied.engine))
+            # the stack's options on the KDA grid in force (the sub-block toggles' wider blocks)
+            self.engine = Engine(model, EngineOptions.from_dict(applied.engine_for(model.device)))
         except Exception:
             self._toggles.close()
             raise
