@@ -107,12 +107,8 @@ def _reusable_inside_blocks(grid: int, engine: dict | None) -> bool:
     from math import lcm
 
     from .engine.options import EngineOptions
-    defaults = EngineOptions.__dataclass_fields__
-    engine = engine or {}
-    block = engine.get("block_size", defaults["block_size"].default)
-    spacing = (engine.get("checkpoint_interval", defaults["checkpoint_interval"].default)
-               if engine.get("prefix_cache_subblock") else block)
-    return lcm(spacing, grid) % block != 0
+    opts = EngineOptions.from_dict(engine or {})
+    return lcm(opts.checkpoint_spacing, grid) % opts.block_size != 0
 
 
 # Events that fire only at some model dims: a loop over 64-wide head-dim tiles (as the GPU kernels

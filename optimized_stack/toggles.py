@@ -282,7 +282,7 @@ class Applied:
 
     def engine_at(self, grid: int | None) -> dict[str, Any]:
         """The engine options in force on KDA grid `grid` (None: off any grid)."""
-        return {**self.engine, **self.engine_on_grid} if grid and self.engine else dict(self.engine)
+        return _on_grid(self.engine, self.engine_on_grid, grid)
 
     def engine_for(self, device: Any) -> dict[str, Any]:
         """The engine options for an engine on `device`, on the KDA grid it will cut on there."""
@@ -293,7 +293,12 @@ class Applied:
 def engine_options(names: list[str] | tuple[str, ...], grid: int | None) -> dict[str, Any]:
     """The merged engine options of `names` (and what they require) on KDA grid `grid`."""
     toggles = resolve(names)
-    return {**_merge(toggles, "engine"), **(_merge(toggles, "engine_on_grid") if grid else {})}
+    return _on_grid(_merge(toggles, "engine"), _merge(toggles, "engine_on_grid"), grid)
+
+
+def _on_grid(engine: dict[str, Any], engine_on_grid: dict[str, Any], grid: int | None) -> dict[str, Any]:
+    # a toggle sets engine_on_grid only beside engine options (Toggle.__post_init__)
+    return {**engine, **(engine_on_grid if grid else {})}
 
 
 def _merge(toggles: list[Toggle], attr: str) -> dict[str, Any]:
