@@ -90,8 +90,8 @@ def test_the_gpu_runs_lists_come_from_the_registry():
     assert set(gpu_suite.phase_set("decode")) == {"kda_fla_recurrent", "mla_absorbed", "moe_grouped",
                                                   "shared_expert_side_stream"}
     kernels = gpu_suite.kernel_toggles()
-    assert kernels[:6] == ("kda_fla_chunk", "kda_fla_chunk_prefill", "kda_fla_recurrent", "moe_grouped",
-                           "moe_grouped_static", "shared_expert_side_stream"), \
+    assert kernels[:7] == ("kda_fla_chunk", "kda_fla_chunk_prefill", "kda_fla_recurrent", "mla_flash_bf16",
+                           "moe_grouped", "moe_grouped_static", "shared_expert_side_stream"), \
         "CUDA-only kernels first: the time budget cuts the tail"
     assert {"kda_chunked", "mla_absorbed", "mla_sdpa", "gemm_per_shape"} <= set(kernels)
     assert all(registry.get(m).mutant_of in kernels for m in gpu_suite.kernel_mutants())
@@ -111,7 +111,7 @@ def test_the_gpu_runs_lists_come_from_the_registry():
     for t in new:
         registry.register(t)
     try:
-        assert "tmp_cuda_kernel" in gpu_suite.kernel_toggles()[:7]        # among the CUDA-only ones
+        assert "tmp_cuda_kernel" in gpu_suite.kernel_toggles()[:8]        # among the CUDA-only ones
         assert "tmp_cuda_kernel_mut" in gpu_suite.kernel_mutants()
         assert "tmp_cuda_kernel" in gpu_suite.phase_set("decode")
         assert "tmp_cuda_kernel" not in gpu_suite.phase_set("prefill")

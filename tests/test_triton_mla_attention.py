@@ -105,3 +105,37 @@ def test_position_past_the_keys_is_rejected():
     q, k, v = _qkv(2, 1, 8, 8, torch.float32)
     with pytest.raises(K3Error, match=r"q_pos must lie in 0..S-1 = 0..1, got 2"):
         _attn()(q, k, v, torch.tensor([1, 2], device=DEVICE), 1.0)
+
+
+# ---- the mla_flash_bf16 toggle's form: P @ V on bf16 tensor cores (kernels/mla/flash_bf16.py) ----
+def _flash(fault=None):
+    import functools
+
+    from optimized_stack.kernels.mla.flash_bf16 import flash_bf16_attention
+    return functools.partial(flash_bf16_attention, _fault=fault)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_bf16_pv_form_is_close_to_fp64_and_not_the_reference_bits(dtype):
+    q, k, v = _qkv(130, 2, 24, 16, dtype, seed=4)
+    pos = torch.arange(130, device=DEVICE)
+    want = _reference64(q, k, v, pos, 24 ** -0.5)
+    fast = _flash()(q, k, v, pos, 24 ** -0.5)
+    # P and V rounded to bf16 (2^-9 relative): ~1e-3 of max measured; the reference's is 2e-6 (fp32)
+    assert max_rel(fast, want) <= 1e-2
+    assert not bit_equal(fast, _attn()(q, k, v, pos, 24 ** -0.5)), "the bf16 P @ V form did not run"
+
+
+def test_the_bf16_pv_form_keeps_the_reference_tiles_batch_invariant():
+    bad = _mismatches(_flash(), dtype=torch.bfloat16)
+    assert not bad, f"a query's bits depend on the call: {bad}"
+
+
+def test_the_flash_mutant_sees_later_keys_of_its_block_and_is_far_off():
+    q, k, v = _qkv(130, 2, 24, 16, torch.bfloat16, seed=4)
+    pos = torch.arange(130, device=DEVICE)
+    want = _reference64(q, k, v, pos, 24 ** -0.5)
+    assert max_rel(_flash("diag_unmasked")(q, k, v, pos, 24 ** -0.5), want) > 0.1
+    # a query at the end of its block has no later keys there: unchanged up to the bf16 form's error
+    last = torch.tensor([63, 127], device=DEVICE)
+    assert max_rel(_flash("diag_unmasked")(q[last], k, v, last, 24 ** -0.5), want[[63, 127]]) <= 1e-2

@@ -37,6 +37,11 @@ import triton.language as tl
 from ..gpu_reference import check_runnable, fail, interpreting
 
 KEY_BLOCK = 64                  # keys per block: the fixed split size
+# how a key block's P @ V runs (key_block_update's PV_MODE)
+PV_IEEE: tl.constexpr = tl.constexpr(0)
+PV_BF16: tl.constexpr = tl.constexpr(1)
+PV_BF16_DIAG_UNMASKED: tl.constexpr = tl.constexpr(2)
+BLOCK: tl.constexpr = tl.constexpr(KEY_BLOCK)
 # dtype -> (BLOCK_M queries per program, num_warps, num_stages); never a function of T or S
 TILES: dict[torch.dtype, tuple[int, int, int]] = {
     torch.bfloat16: (32, 4, 2),
@@ -46,27 +51,44 @@ TILES: dict[torch.dtype, tuple[int, int, int]] = {
 
 
 @triton.jit
-def key_block_update(q, kt, vb, offs_s, s_ok, pos, start, m_i, l_i, acc, scale, IEEE: tl.constexpr):
+def key_block_update(q, kt, vb, offs_s, s_ok, pos, start, m_i, l_i, acc, scale, IEEE: tl.constexpr,
+                     PV_MODE: tl.constexpr):
     """One 64-key block of the online softmax for a tile of queries: the loop body shared by the
     contiguous kernel below and the paged decode kernel (kernels/mla/paged.py), so the two run the
     same operations in the same order on the same tile shapes.
 
     q [BM, BC] (input dtype), kt [BC, BN] (q's dtype), vb [BN, BV] fp32, offs_s [BN] key positions,
     s_ok [BN] keys that exist, pos [BM] each query's causal limit (-1: no query), start = the
-    block's first position; (m_i [BM], l_i [BM], acc [BM, BV]) fp32 in and out."""
+    block's first position; (m_i [BM], l_i [BM], acc [BM, BV]) fp32 in and out.
+    PV_MODE: PV_IEEE (the reference: P @ V in fp32, vb fp32); PV_BF16 (the mla_flash_bf16 toggle's
+    form, never the reference's bits): P rounded to bf16 and P @ V on bf16 tensor cores with fp32
+    accumulation, vb holding bf16 values (widened to fp32 under the interpreter, whose dot then
+    multiplies the same bf16 values exactly); PV_BF16_DIAG_UNMASKED: PV_BF16 with a seeded fault (the
+    mutant mut_mla_flash_diag_unmasked), the causal mask dropped inside a block: a query sees the
+    later keys of its own block."""
     if IEEE:
         sc = tl.dot(q, kt, input_precision="ieee")
     else:
         sc = tl.dot(q, kt)
     sc = sc * scale                                                          # [BM, BN] fp32
-    visible = (offs_s[None, :] <= pos[:, None]) & s_ok[None, :]
+    if PV_MODE == PV_BF16_DIAG_UNMASKED:
+        visible = (offs_s[None, :] < start + BLOCK) & s_ok[None, :] & (pos[:, None] >= 0)
+    else:
+        visible = (offs_s[None, :] <= pos[:, None]) & s_ok[None, :]
     sc = tl.where(visible, sc, float("-inf"))
     active = start <= pos                  # the query sees at least one key of this block
     m_new = tl.maximum(m_i, tl.max(sc, axis=1))
     m_use = tl.where(active, m_new, 0.0)   # inactive rows: keep exp() finite, result unused
     alpha = tl.exp(m_i - m_use)            # first block: exp(-inf) = 0
     p = tl.exp(sc - m_use[:, None])        # masked keys: exactly 0
-    pv = tl.dot(p, vb, input_precision="ieee")
+    if PV_MODE != PV_IEEE:
+        p_lo = p.to(tl.bfloat16)
+        if vb.dtype == tl.float32:                      # the interpreter's widened tiles
+            pv = tl.dot(p_lo.to(tl.float32), vb, input_precision="ieee")
+        else:
+            pv = tl.dot(p_lo, vb)
+    else:
+        pv = tl.dot(p, vb, input_precision="ieee")
     l_new = l_i * alpha + tl.sum(p, axis=1)
     acc_new = acc * alpha[:, None] + pv
     m_i = tl.where(active, m_new, m_i)
@@ -79,7 +101,8 @@ def key_block_update(q, kt, vb, offs_s, s_ok, pos, start, m_i, l_i, acc, scale, 
 def _causal_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, T, S, C, VD, scale,
                              sq_t, sq_h, sk_s, sk_h, sv_s, sv_h, so_t, so_h,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-                             BLOCK_V: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+                             BLOCK_V: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                             PV_MODE: tl.constexpr, WIDEN_PV: tl.constexpr):
     pid_m = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)      # int64: S*H*C can pass 2^31
@@ -107,8 +130,15 @@ def _causal_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, T, S, C, VD, s
         if UPCAST:
             kt = kt.to(tl.float32)
         vb = tl.load(v_ptr + offs_s[:, None] * sv_s + h * sv_h + offs_v[None, :],
-                     mask=s_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)   # [BN, BV]
-        m_i, l_i, acc = key_block_update(q, kt, vb, offs_s, s_ok, pos, start, m_i, l_i, acc, scale, IEEE)
+                     mask=s_ok[:, None] & v_ok[None, :], other=0.0)                 # [BN, BV]
+        if PV_MODE == PV_IEEE:
+            vb = vb.to(tl.float32)
+        else:
+            vb = vb.to(tl.bfloat16)
+            if WIDEN_PV:                  # the interpreter: bf16 values in fp32 tiles (see above)
+                vb = vb.to(tl.float32)
+        m_i, l_i, acc = key_block_update(q, kt, vb, offs_s, s_ok, pos, start, m_i, l_i, acc, scale, IEEE,
+                                         PV_MODE)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + offs_m[:, None] * so_t + h * so_h + offs_v[None, :], out,
              mask=row_ok[:, None] & v_ok[None, :])
@@ -119,10 +149,15 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                     scale: float, *, _block_n: int | None = None) -> torch.Tensor:
+                     scale: float, *, _block_n: int | None = None, lowp_pv: bool = False,
+                     _fault: str | None = None) -> torch.Tensor:
     """q [T, H, C], k [S, H, C], v [S, H, Vd], q_pos [T] (0 <= q_pos < S) -> [T, H, Vd] fp32.
 
-    `_block_n` only for the negative control: a key block that follows the call's shape."""
+    lowp_pv: P @ V on bf16 tensor cores (the mla_flash_bf16 toggle; not the reference's bits).
+    `_block_n` only for the negative control: a key block that follows the call's shape.
+    `_fault` only for the mutant: "diag_unmasked"."""
+    if _fault not in (None, "diag_unmasked") or (_fault and not lowp_pv):
+        fail(f"_fault must be None, or 'diag_unmasked' with lowp_pv, got {_fault!r}")
     if q.dim() != 3:
         fail(f"q must be 3-D [T, H, C], got shape {list(q.shape)}")
     if k.dim() != 3 or k.shape[1:] != q.shape[1:]:
@@ -159,5 +194,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: t
         out.stride(0), out.stride(1),
         BLOCK_M=block_m, BLOCK_N=_block_n or KEY_BLOCK,
         BLOCK_C=max(16, triton.next_power_of_2(c)), BLOCK_V=max(16, triton.next_power_of_2(vd)),
-        IEEE=q.dtype == torch.float32 or upcast, UPCAST=upcast, num_warps=warps, num_stages=stages)
+        IEEE=q.dtype == torch.float32 or upcast, UPCAST=upcast,
+        PV_MODE=(PV_IEEE if not lowp_pv else PV_BF16_DIAG_UNMASKED if _fault == "diag_unmasked" else PV_BF16).value,
+        WIDEN_PV=interpreting(), num_warps=warps, num_stages=stages)
     return out
+

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from ..gpu_reference import check_runnable, fail, interpreting
-from .attention import KEY_BLOCK, TILES, key_block_update
+from .attention import KEY_BLOCK, PV_IEEE, TILES, key_block_update
 
 
 @triton.jit
@@ -79,7 +79,8 @@ def _paged_decode_kernel(q_ptr, rows_ptr, kv_ptr, table_ptr, slot_ptr, pos_ptr, 
             kt = kt.to(tl.float32)
         vb = tl.load(kv_ptr + phys[:, None] * s_kv + h * s_kv_h + NOPE + offs_v[None, :],
                      mask=s_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)      # [BN, BV]
-        m_i, l_i, acc = key_block_update(q, kt, vb, offs_s, s_ok, pos, start, m_i, l_i, acc, scale, IEEE)
+        m_i, l_i, acc = key_block_update(q, kt, vb, offs_s, s_ok, pos, start, m_i, l_i, acc, scale, IEEE,
+                                         PV_IEEE)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + b * so_b + h * so_h + offs_m[:, None] * 0 + offs_v[None, :], out,
              mask=row_ok[:, None] & v_ok[None, :])

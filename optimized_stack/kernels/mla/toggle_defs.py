@@ -1,12 +1,14 @@
-"""MLA kernel toggles (absorbed attention over latent rows, torch's fused SDPA, FP8 prefill in its cast
-and scaled-GEMM forms) and their mutants."""
+"""MLA kernel toggles (absorbed attention over latent rows, torch's fused SDPA, the blocked Triton
+attention with P @ V on bf16 tensor cores, FP8 prefill in its cast and scaled-GEMM forms) and their
+mutants."""
 from __future__ import annotations
 
 import functools
 
-from ...toggles import Contract, Toggle, register
+from ...toggles import Contract, Toggle, on_bf16_cuda, register
 from ..kda.toggle_defs import APPROX_KERNEL
 from .absorbed import mla_absorbed
+from .flash_bf16 import flash_bf16_attention
 from .fp8_prefill import mla_fp8_prefill
 from .fp8_prefill_scaled import mla_fp8_prefill_scaled
 from .sdpa import sdpa_attention
@@ -22,6 +24,37 @@ register(Toggle(
     name="mla_sdpa", contract=APPROX_KERNEL, touches=("logits",),
     description="MLA causal softmax in torch's fused SDPA kernel (O(T) memory; long prefills on CPU)",
     ops={"attention": sdpa_attention}, phases=("prefill",), events=("op:attention",)))
+
+# The reference's causal attention on CUDA (kernels/mla/attention.py) takes P @ V as fp32 IEEE
+# FMAs: at 32K tokens on the H100 that attention was ~230 of a ~530 ms prefill step (four MLA
+# layers, NOTES.md session 12). This form keeps its fixed tiles and key blocks (a query's bits still
+# never depend on the batch) and runs P @ V on bf16 tensor cores. Declared before measuring, for
+# every device and dtype (an fp32 model gets the same bf16 rounding): P and V each rounded to bf16
+# (relative error <= 2^-9), averaged over the keys a query sees, moves an attention output by ~1e-3
+# of its max (interpreter, random inputs: 1.3e-3 bf16, 5e-3 fp32); predicted on a trained model mean
+# KL 1e-5-1e-4, top-1 >= 0.99, final KDA state <= 1e-2 of max. Budget: mean KL 1e-3, top-1 0.98,
+# KDA state 0.05; on cuda:bfloat16 the bf16 reference's own noise budget (BF16_NOISE).
+MLA_FLASH_BF16 = on_bf16_cuda(Contract("approx", mean_kl=1e-3, min_top1=0.98, max_state_rel=0.05,
+                                       quality=("gsm8k", "needle")))
+
+register(Toggle(
+    name="mla_flash_bf16", contract=MLA_FLASH_BF16, touches=("logits", "kda_state", "mla_rows"),
+    devices=("cuda",), description="MLA causal attention in the reference's blocked Triton kernel "
+    "(fixed tiles, 64-key blocks) with P @ V on bf16 tensor cores, fp32 accumulation",
+    # no `phases` yet: mla_sdpa holds the prefill phase's `attention` slot, and which of the two the
+    # GPU bench's prefill set takes waits for an A/B of the two on the device (not yet run)
+    ops={"attention": flash_bf16_attention}, events=("op:attention",)))
+
+# its seeded fault, the classic one of a blocked causal kernel: the causal mask dropped inside a key
+# block, so a query also sees the later keys of its own block. (A first candidate, the accumulator not
+# rescaled when a block raises the running max, moved k3-mini's logits by mean KL 1.7e-7 on
+# multi_length: the max rarely moves on an untrained model, so no budget could catch it.)
+register(Toggle(
+    name="mut_mla_flash_diag_unmasked", kind="mutant", mutant_of="mla_flash_bf16", contract=MLA_FLASH_BF16,
+    touches=("logits", "kda_state", "mla_rows"), devices=("cuda",),
+    description="bf16 P @ V attention with the causal mask dropped inside a key block (a query sees "
+                "the later keys of its own block)", caught_by=("drift_budget",), lives_in="mla/mixer",
+    ops={"attention": functools.partial(flash_bf16_attention, _fault="diag_unmasked")}, events=("op:attention",)))
 
 _wrong_scale = functools.partial(mla_absorbed, _scale_mult=24 ** -0.5)
 register(Toggle(
