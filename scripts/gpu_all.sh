@@ -5,6 +5,8 @@
 # (what --resume needs) and run.tar.gz (the whole run directory: report.json/html, junit.xml, checks/).
 #   SUITE=checks/gpu.toml DTYPE=bfloat16 JOBS=6 bash scripts/gpu_all.sh   (JOBS processes: the work is dispatch-bound)
 #   SUITE=release TIME_LIMIT=480 JOBS=8 bash scripts/gpu_all.sh           (the release gate; carry .whl from scripts/gpu_wheels.sh)
+#   SUITE=release ONLY=mla_flash_bf16 bash scripts/gpu_all.sh  (that toggle's units only, its mutants with it:
+#                                 `all --only`; scripts/gpu_toggle_gates.sh; never a sign-off)
 #   RESUME_TAR=.gpu-resume/resume.tar.gz TIME_LIMIT=480 bash scripts/gpu_all.sh  (finish it on the next call; carry .gpu-resume too)
 #   MPS=0 ...                     (the default, MPS=1, has the processes share the GPU through CUDA MPS)
 #   CALL_S=590 (default): the device call's own limit less a margin. `all` is stopped in time for the
@@ -41,7 +43,7 @@ if [ -n "${RESUME_TAR:-}" ]; then
   tar -xf "$RESUME_TAR" -C "$OUT" run
   WHAT=(--resume "$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["run_id"])' "$RUN/plan.json")")
 else
-  WHAT=(--suite "${SUITE:-gpu}" --device cuda --dtype "${DTYPE:-bfloat16}")
+  WHAT=(--suite "${SUITE:-gpu}" --device cuda --dtype "${DTYPE:-bfloat16}" ${ONLY:+--only "$ONLY"})
 fi
 # TIME_LIMIT: no unit starts after it (the units left are inconclusive rows; the report is still written).
 # FINISH_BY (default: ALL_TIMEOUT_S less 25 s): no unit starts whose expected seconds (the suite's

@@ -57,6 +57,10 @@ def add_arguments(parser) -> None:
                              "kind's) end before S seconds: a unit that would be killed by a hard stop at S is left "
                              "for --resume instead of run half; the units left are inconclusive rows, as with "
                              "--time-limit")
+    parser.add_argument("--only", default=None, metavar="T[,T...]",
+                        help="run only the suite's units of these toggles (an approx toggle with its mutants: every "
+                             "gate the suite holds it to, before it joins the full run); the report says the run "
+                             "was restricted and `signoff` refuses it")
     parser.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)   # a worker's: epoch s
     parser.add_argument("--finish-deadline", type=float, default=None, help=argparse.SUPPRESS)  # likewise
     add_model_flag(parser)
@@ -209,6 +213,11 @@ def run(args) -> int:
         args.finish_deadline = time.time() + args.finish_by
     if isinstance(args.jobs, bool) or not 1 <= args.jobs <= 64:
         raise UsageError(f"--jobs must be an integer in 1..64, got {args.jobs}")
+    only = tuple(dict.fromkeys(t.strip() for t in (args.only or "").split(",") if t.strip()))
+    if args.only is not None and not only:
+        raise UsageError(f"--only: expected a comma-separated list of toggle names, got {args.only!r}")
+    if only and args.resume:
+        raise UsageError("--only restricts a new run; a resumed run keeps the units its plan recorded")
     shard = None
     if args.shard is not None:
         from k3verify.suites.shards import parse_shard
@@ -241,7 +250,8 @@ def run(args) -> int:
         model = load_model(args.model, **device_load_options(args), **model_load_options(args))
         run_id = new_run_id("all")
         run_dir = args.report_dir or REPORTS_DIR / run_id     # a --report-dir holding a run: refused by the CLI
-        plan = run_all.new_plan(suite, args.model, model, run_id, command, device=args.device, dtype=args.dtype)
+        plan = run_all.new_plan(suite, args.model, model, run_id, command, device=args.device, dtype=args.dtype,
+                                only=only)
     # every value a unit would refuse was refused when the suite was parsed: exit 2 before any work
     if args.base is not None:               # a bad REV: exit 2 before any work
         from k3verify.patch.diff import checkout_root, resolve_base

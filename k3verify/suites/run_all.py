@@ -36,7 +36,7 @@ from k3verify import kinds
 from k3verify.compare import golden
 from k3verify.errors import UsageError
 from k3verify.io import ReadError, atomic_write_json, make_dir, read_json
-from k3verify.kinds.base import QUALITY_KINDS, Context, Unit
+from k3verify.kinds.base import QUALITY_KINDS, Context, Unit, hint
 from k3verify.report import build_report, write_report
 from k3verify.suites.suite import Suite, expand, split_model_spec
 from k3verify.verdict.result import Result, Subject
@@ -105,13 +105,43 @@ def check_finished(plan: dict, run_dir: Path) -> None:
         finished(run_dir, unit, expect)
 
 
+def only_toggles(names: tuple[str, ...]) -> tuple[str, ...]:
+    """`--only` names with the mutants of each (a toggle is judged beside its negative controls, so a
+    restricted run still proves its gates can fail). A name that is not a toggle is a UsageError."""
+    from optimized_stack import toggles as registry
+    known = [t.name for t in registry.all_toggles()]
+    for name in names:
+        if name not in known:
+            raise UsageError(f"--only {name!r}: not a registered toggle{hint(name, known)}")
+    mutants = [t.name for t in registry.all_toggles("mutant") if t.mutant_of in names]
+    return tuple(dict.fromkeys([*names, *mutants]))
+
+
+def only_units(suite: Suite, units: list[Unit], names: tuple[str, ...]) -> list[Unit]:
+    """The suite's units of the toggles `names` name (with their mutants), under the ids they have in
+    the whole suite (so the suite's priors still size them and a unit's file name says where it sits
+    in the full run). A name the suite never judges is a UsageError: a restricted run that ran
+    nothing of it would read as that toggle judged."""
+    keep = only_toggles(names)
+    for name in names:
+        if not any(u.toggle == name for u in units):
+            raise UsageError(f"--only {name!r}: suite {suite.name!r} has no unit of it (its checks never judge it "
+                             f"on --device/--dtype as given)")
+    return [u for u in units if u.toggle in keep]
+
+
 def new_plan(suite: Suite, model_arg: str | None, model, run_id: str, command: str, *,
-             device: str = "cpu", dtype: str = "float32") -> dict[str, Any]:
+             device: str = "cpu", dtype: str = "float32", only: tuple[str, ...] = ()) -> dict[str, Any]:
+    units = expand(suite)
+    if only:
+        units = only_units(suite, units, only)          # with their mutants; `only` records the names given
     return {"format": PLAN_FORMAT, "version": PLAN_VERSION, "run_id": run_id, "command": command,
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "model": model_arg,
             "device": device, "dtype": dtype,
-            "model_id": golden.model_id(model), "suite": suite.to_dict(), "suite_text": suite.text,
-            "units": [u.to_dict() for u in expand(suite)],
+            "model_id": golden.model_id(model),
+            # `only` in the suite's record: the report and its sign-off see that this run judged part of it
+            "suite": {**suite.to_dict(), **({"only": list(only)} if only else {})}, "suite_text": suite.text,
+            "units": [u.to_dict() for u in units],
             # measured seconds per unit for the shards' assignment (suites/shards.py), in the plan so
             # every worker of this run, and a resumed one, assigns from the same figures
             **({"priors": dict(suite.priors)} if suite.priors else {})}

@@ -162,6 +162,9 @@ def problems(report: Mapping[str, Any], ships: list[str] | tuple[str, ...] | Non
     suite's), the rules of configuration_problems; without one, every judged toggle must hold."""
     if "suite" not in report or "verdicts" not in report:
         return ["not a `k3verify all` report (no suite or verdicts in it)"]
+    if report["suite"].get("only"):
+        return [f"the run judged part of suite {report['suite'].get('name')!r} (--only "
+                f"{','.join(report['suite']['only'])}): a release is signed from a run of the whole suite"]
     config = configuration(report, ships)
     if config is not None:
         return configuration_problems(report, config)
