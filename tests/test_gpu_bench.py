@@ -85,7 +85,7 @@ def test_bench_of_a_cuda_toggle_on_cpu_is_not_timed_and_says_why(model, capsys):
 def test_the_gpu_runs_lists_come_from_the_registry():
     from optimized_stack import toggles as registry
 
-    assert set(gpu_suite.phase_set("prefill")) == {"kda_fla_chunk", "mla_sdpa", "moe_grouped",
+    assert set(gpu_suite.phase_set("prefill")) == {"kda_fla_chunk", "mla_flash_bf16", "moe_grouped",
                                                    "shared_expert_side_stream"}
     assert set(gpu_suite.phase_set("decode")) == {"kda_fla_recurrent", "mla_absorbed", "moe_grouped",
                                                   "shared_expert_side_stream"}

@@ -23,7 +23,9 @@ register(Toggle(
 register(Toggle(
     name="mla_sdpa", contract=APPROX_KERNEL, touches=("logits",),
     description="MLA causal softmax in torch's fused SDPA kernel (O(T) memory; long prefills on CPU)",
-    ops={"attention": sdpa_attention}, phases=("prefill",), events=("op:attention",)))
+    # no `phases`: on the H100 it was slower than the reference's own attention (k3-small bf16 prefill,
+    # perf/prefill_ab.py, 2026-12-07: 0.97x at 4K, 0.69x at 32K); mla_flash_bf16 holds the slot
+    ops={"attention": sdpa_attention}, events=("op:attention",)))
 
 # The reference's causal attention on CUDA (kernels/mla/attention.py) takes P @ V as fp32 IEEE
 # FMAs: at 32K tokens on the H100 that attention was ~230 of a ~530 ms prefill step (four MLA
@@ -41,9 +43,10 @@ register(Toggle(
     name="mla_flash_bf16", contract=MLA_FLASH_BF16, touches=("logits", "kda_state", "mla_rows"),
     devices=("cuda",), description="MLA causal attention in the reference's blocked Triton kernel "
     "(fixed tiles, 64-key blocks) with P @ V on bf16 tensor cores, fp32 accumulation",
-    # no `phases` yet: mla_sdpa holds the prefill phase's `attention` slot, and which of the two the
-    # GPU bench's prefill set takes waits for an A/B of the two on the device (not yet run)
-    ops={"attention": flash_bf16_attention}, events=("op:attention",)))
+    # the GPU prefill phase's attention: measured on the H100 (k3-small bf16, perf/prefill_ab.py,
+    # 2026-12-07) 1.03x the reference at 4K and 1.29x at 32K alone, where mla_sdpa read 0.97x / 0.69x;
+    # the phase set with it 3.47x / 1.62x, with mla_sdpa 3.05x / 0.76x
+    ops={"attention": flash_bf16_attention}, phases=("prefill",), events=("op:attention",)))
 
 # its seeded fault, the classic one of a blocked causal kernel: the causal mask dropped inside a key
 # block, so a query also sees the later keys of its own block. (A first candidate, the accumulator not
