@@ -85,3 +85,18 @@ def test_the_transformers_peer_has_the_presets_dims(tmp_path):
             "first_k_dense_replace", "kda_conv_size")
     assert {f: getattr(back, f) for f in same} == {f: getattr(cfg, f) for f in same}
     assert back.variant == "kimi_linear"
+
+
+def test_a_budget_that_cannot_seed_every_request_is_refused(model):
+    """Otherwise the timed steps prefill the requests left waiting (capture_bench's 259 ms 'decode'
+    step at B = 64, 2026-12-07); the budget of batch x context seeds them all (the control)."""
+    donor = Donor.prefill(model, 40, seed=3)
+    opts = EngineOptions(continuous_batching=True, projected_kv_cache=True, batched_decode=True,
+                         max_num_seqs=4, kda_pool_slots=4, token_budget=100)
+    with pytest.raises(ValueError, match="placed 3 of 4 requests"):
+        seeded_engine(model, opts, donor, 4, 4)
+    opts = EngineOptions(continuous_batching=True, projected_kv_cache=True, batched_decode=True,
+                         max_num_seqs=4, kda_pool_slots=4, token_budget=4 * 41)
+    eng = seeded_engine(model, opts, donor, 4, 4)
+    eng.step()
+    assert eng.fast.stats.steps == 1 and eng.fast.stats.rows == 4, "every request decoded in the one fast step"

@@ -75,8 +75,11 @@ def engine_capture_overhead(model, names: tuple[str, ...], *, batch: int, contex
     donor = Donor.prefill(model, context)
     totals: dict[str, list[float]] = {}
     with toggles.applied(list(names)) as ap:
-        opts = _options(ap.engine, {"max_num_seqs": batch, "kda_pool_slots": batch, "token_budget": max(256, batch),
-                                    "device_cache_tokens": cache_tokens_for(batch, context, new_tokens)})
+        # a budget that seeds all `batch` requests at once (seeded_engine refuses less): with 256 before
+        # 2026-12-07 most requests were prefilled inside the timed steps
+        opts = _options(ap.engine_for(model.device), {"max_num_seqs": batch, "kda_pool_slots": batch,
+                                                      "token_budget": batch * (context + 1),
+                                                      "device_cache_tokens": cache_tokens_for(batch, context, new_tokens)})
 
         def run(arm: str, observers: tuple) -> float:
             t0 = time.perf_counter()

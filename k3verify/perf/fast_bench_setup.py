@@ -69,6 +69,13 @@ def seeded_engine(model, opts: EngineOptions, donor: Donor, batch: int, new_toke
         sched.enqueue(req)
     plan = sched.schedule()
     context = len(donor.ids)
+    if len(plan) != batch:
+        # the scheduler admits what the token budget holds; the rest would be prefilled by the timed
+        # steps (capture_bench, 2026-12-07: at B = 64 with a budget of 256, four 512-token prompts a
+        # step, a 259 ms "decode" step where the decode alone is ~8 ms)
+        raise ValueError(f"seeded_engine: the scheduler placed {len(plan)} of {batch} requests (token_budget "
+                         f"{opts.token_budget}, max_num_seqs {opts.max_num_seqs}, {context}-token prompts): "
+                         f"give a budget of at least batch x context")
     for req, _ in plan:
         req.admitted_once = True
         if isinstance(eng.store, PagedStore):
