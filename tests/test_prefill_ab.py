@@ -54,3 +54,36 @@ def test_a_bad_token_count_is_argparse_exit_2(tmp_path):
     with pytest.raises(SystemExit) as exc:
         prefill_ab.main(["--out", str(tmp_path / "o"), "--device", "cpu", "--tokens", "0"])
     assert exc.value.code == 2 and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("name,want", [
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
+    ("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNT", "gemm"),
+    ("_attn_fwd_blocked", "attention"),
+    ("chunk_kda_fwd_kernel_o", "kda"),
+    ("_moe_route_topk", "moe"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", "elementwise"),
+    ("Memcpy DtoD (Device -> Device)", "copies"),
+    ("some_kernel_nobody_named", "other"),
+])
+def test_kernel_families_by_name(name, want):
+    assert prefill_ab.family(name) == want
+
+
+def test_the_profile_covers_every_set_and_the_reference_and_keeps_the_ab(tmp_path):
+    assert prefill_ab.main(["--out", str(tmp_path), "--model", "k3-mini", "--device", "cpu", "--dtype", "float32",
+                            "--tokens", "16", "--repeats", "2", "--sets", "kda_chunked", "--profile", "16"]) == 0
+    doc = json.loads((tmp_path / "prefill_ab.json").read_text())
+    assert doc["rows"] and set(doc["profile"]["forwards"]) == {"reference", "kda_chunked"}
+    assert all({"device_ms", "launches", "families_ms", "top"} <= set(p) for p in doc["profile"]["forwards"].values())
+    text = (tmp_path / "prefill_kernels.txt").read_text()
+    assert "==== prefill 16 tokens: reference ====" in text and "==== prefill 16 tokens: kda_chunked ====" in text
+    assert "aten::" in text, "the profiler's table of what ran"
+
+
+def test_a_phase_set_takes_added_toggles():
+    more = prefill_ab.resolve_set("phase+gemm_per_shape")
+    assert more[:-1] == prefill_ab.resolve_set("phase") and more[-1] == "gemm_per_shape"
+    assert prefill_ab.resolve_set("phase/mla_sdpa+gemm_per_shape")[-2:] == ("mla_sdpa", "gemm_per_shape")
+    with pytest.raises(K3Error):
+        prefill_ab.resolve_set("phase+nope")
