@@ -46,3 +46,16 @@ def test_bad_arguments_are_one_line_and_exit_2(tmp_path, capsys):
     assert capture_bench.main(["--out", str(tmp_path), "--device", "cpu", "--new-tokens", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 3 and all(e.startswith("error: ") for e in err)
+
+
+def test_device_time_runs_the_call_once_and_counts_no_device_work_on_a_cpu():
+    import torch
+    from k3verify.perf.capture_bench import _device_time
+    calls = []
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    ms, acts = _device_time(lambda: calls.append(torch.ones(8, device=dev).sum()))
+    assert calls and len(calls) == 1
+    if not torch.cuda.is_available():
+        assert (ms, acts) == (0.0, 0)
+    else:                                     # on a GPU the sum is one kernel at least
+        assert acts >= 1 and ms >= 0

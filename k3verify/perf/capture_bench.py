@@ -180,6 +180,11 @@ def digest_cost(model, batch: int, reps: int = 10) -> dict:
             times[name].append(1e3 * (time.perf_counter() - t0) / reps)
     out = {name: min(v) for name, v in times.items()}
     if kernel is not None:
+        # the device's own time for the step's stacks + digests (sum of its kernels): far below the
+        # wall time above means the launches, not the arithmetic, cost the step (session 17's
+        # arithmetic change moved the wall time by 2%: 2.80 -> 2.87 ms at B = 64)
+        out["stack_and_digest_device_ms"], out["stack_and_digest_launches"] = _device_time(
+            lambda: one_step(True, "default"))
         a, b = one_step(True, "default"), one_step(True, "per_element_mod")
         out["kernel_broken"] = device_digest._KERNEL_BROKEN        # None: the default arm ran the kernel
         L = device_digest.LANES
@@ -189,6 +194,21 @@ def digest_cost(model, batch: int, reps: int = 10) -> dict:
     out["bytes_a_step"] = batch * sum(t.numel() * t.element_size() for kda in st.kda.values()
                                       for t in kda.tensors().values()) + logits.numel() * 4
     return out
+
+
+def _device_time(fn) -> tuple[float, int]:
+    """(device ms, device activities) of one call of fn, from torch.profiler's CUDA events; (0, 0)
+    without CUDA, where the profiler has no device activity to take."""
+    from torch.profiler import ProfilerActivity, profile
+    if not torch.cuda.is_available():
+        fn()
+        return 0.0, 0
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync()
+    acts = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.device_time for e in acts) / 1e3, len(acts)
 
 
 def _whole_runs(totals: dict[str, list[float]], a: str, b: str, tokens: int, labels: tuple[str, str]):
@@ -234,7 +254,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{doc['with_setup']['overhead']:+.1%} ({doc['captured_logits_rows']} logits rows hashed a run)")
     dc = doc["digest_cost"]
     print(f"  one step's {dc['tensors_a_step']} stacks + digests alone ({dc['bytes_a_step'] / 1e6:.1f} MB): "
-          f"{dc['stack_and_digest_ms']:.2f} ms (stacks {dc['stack_ms']:.2f} ms)")
+          f"{dc['stack_and_digest_ms']:.2f} ms (stacks {dc['stack_ms']:.2f} ms)"
+          + (f"; the device busy {dc['stack_and_digest_device_ms']:.2f} ms of it, "
+             f"{dc['stack_and_digest_launches']} activities" if "stack_and_digest_device_ms" in dc else ""))
     if "stack_and_digest_per_element_mod_ms" in dc:
         print(f"  the kernel's forms, stacks included: one remainder a block {dc['stack_and_digest_ms']:.2f} ms, "
               f"a remainder a product (before) {dc['stack_and_digest_per_element_mod_ms']:.2f} ms; "
