@@ -77,3 +77,78 @@ def test_one_remainder_a_block_reads_as_a_remainder_a_product(dtype):
     new, old = _kernel(t, rows=True), _kernel(t, rows=True, per_element_mod=True)
     assert _same(new, old) and _same(new, _torch(t, rows=True))
     assert not torch.equal(new[:, :dd.LANES], old[:, :dd.LANES])
+
+
+# ---- the grouped form: one words buffer, one launch per up to four tensors of a kind -----------------
+def _mixed(seed: int = 0) -> list[torch.Tensor]:
+    """Tensors of several kinds, interleaved, two of them spanning blocks, one kind with 5 members
+    (past one launch's four slots), non-finite values in two."""
+    from k3verify.compare.digest_kernel import BLOCK
+    g = torch.Generator().manual_seed(seed)
+    ts = [torch.randn(3, 2 * BLOCK + 7, generator=g), torch.randn(3, 50, generator=g).to(torch.bfloat16),
+          torch.randn(2, 3, 40, generator=g), torch.rand(2, 9, generator=g) > 0.5,
+          torch.randint(0, 200, (4, 7), generator=g).to(torch.uint8), torch.randn(3, 11, generator=g),
+          torch.randn(1, BLOCK + 1, generator=g), torch.randn(5, 3, generator=g)]
+    ts[2][1, 0, 5], ts[0][2, BLOCK + 3] = math.nan, -math.inf
+    return ts
+
+
+def _many(ts):
+    from k3verify.compare.digest_kernel import summary_words_many
+    return [w.cpu() for w in summary_words_many([t.to(DEVICE) for t in ts])]
+
+
+def test_grouped_words_are_each_tensors_own(monkeypatch):
+    from k3verify.compare import digest_kernel
+    launches = []
+    real = digest_kernel._launch_group
+    monkeypatch.setattr(digest_kernel, "_launch_group", lambda p, *a: (launches.append(len(p)), real(p, *a)))
+    ts = _mixed()
+    many = _many(ts)
+    assert [w.shape[0] for w in many] == [t.shape[0] for t in ts]
+    assert all(_same(m, _kernel(t, rows=True)) and _same(m, _torch(t, rows=True)) for m, t in zip(many, ts))
+    # five fp32 tensors: two launches (4 + 1); the bf16 one its own; the bool (as uint8) and the uint8
+    # rows, both of an odd byte count, one launch together: 4 launches for 8 tensors, not 8 x 3
+    assert sorted(launches) == [1, 1, 2, 4], launches
+
+
+def test_negative_control_a_changed_element_changes_only_its_tensors_row():
+    ts = _mixed(1)
+    other = [t.clone() for t in ts]
+    other[5][1, 4] = torch.nextafter(other[5][1, 4], torch.tensor(math.inf))
+    a, b = _many(ts), _many(other)
+    changed = [(i, r) for i, (x, y) in enumerate(zip(a, b)) for r in range(x.shape[0]) if not _same(x[r:r + 1], y[r:r + 1])]
+    assert changed == [(5, 1)]
+
+
+def test_a_capture_of_batched_states_reads_as_the_per_request_calls(monkeypatch):
+    """Capture.on_kda_states (the grouped digests) and on_kda_state per request record the same items."""
+    from types import SimpleNamespace
+    from k3verify.capture.capture import KDA_TENSORS, Capture
+    monkeypatch.setenv(dd.DIGEST_ENV, dd.SCHEME)
+    g = torch.Generator().manual_seed(2)
+    shapes = {"recurrent": (2, 16, 16), "conv_q": (3, 32), "conv_k": (3, 32), "conv_v": (3, 32)}
+    stacked = {n: torch.randn(3, *s, generator=g).to(DEVICE) for n, s in shapes.items()}
+    points = [("a", 5), ("b", 6), ("c", 7)]
+    batched, single = Capture(), Capture()
+    dd.summary_words(stacked["recurrent"], rows=True)         # the process's first, checked kernel call
+    from k3verify.compare import digest_kernel
+    launches = []
+    real = digest_kernel._launch_group
+    monkeypatch.setattr(digest_kernel, "_launch_group", lambda p, *a: (launches.append(len(p)), real(p, *a)))
+    batched.on_kda_states(points, 1, stacked)
+    assert launches == [4], "the layer's four fp32 tensors in one grouped launch"
+    for i, (rid, n) in enumerate(points):
+        single.on_kda_state(rid, n, 1, SimpleNamespace(**{k: stacked[k][i] for k in KDA_TENSORS}))
+    assert batched.to_json()["requests"] == single.to_json()["requests"]
+    assert all(":m31x4:" in it.digest for rc in batched.requests.values() for pt in rc.kda.values() for it in pt.values())
+
+
+def test_the_benchs_digest_cost_runs_every_form_and_finds_their_words_equal():
+    """perf/capture_bench.digest_cost's arms (the per-tensor kernel, the form before session 17, the
+    grouped form) on k3-mini's step shapes: the same words, so its A/B times the same work."""
+    from k3verify.perf.capture_bench import digest_cost
+    from optimized_stack import load_model
+    dc = digest_cost(load_model("k3-mini"), batch=2, reps=1)
+    assert dc["forms_same_words"] is True and dc["kernel_broken"] is None
+    assert {"stack_and_digest_grouped_ms", "stack_and_digest_per_element_mod_ms"} <= set(dc)

@@ -160,8 +160,10 @@ class Capture:
             rc = self._requests[request_id] = RequestCapture(request_id)
         return rc
 
-    def _defer(self, kind: str, points: list, layer: int, name: str, t: torch.Tensor) -> None:
-        words = device_digest.summary_words(t, rows=True)
+    def _defer(self, kind: str, points: list, layer: int, name: str, t: torch.Tensor,
+               words: torch.Tensor | None = None) -> None:
+        if words is None:
+            words = device_digest.summary_words(t, rows=True)
         self._deferred.append((kind, points, layer, name, t.dtype, tuple(t.shape[1:]), words))
         if len(self._deferred) >= _Pending.LIMIT:
             self._flush()
@@ -210,10 +212,14 @@ class Capture:
         """The engine's batched form: stacked[name][i] is `layer`'s tensor `name` for points[i] =
         (request, num_tokens), a copy the engine made for the observers. Each row's item is the one
         on_kda_state would record for it (a row of the stack has the request tensor's bytes and shape)."""
+        device = [name for name in KDA_TENSORS
+                  if device_digest.on_device(stacked[name]) and not self.keep and stacked[name].shape[0]]
+        # the layer's tensors digested together: one words buffer and one launch per kind of tensor
+        words = dict(zip(device, device_digest.summary_words_many([stacked[n].detach() for n in device])))
         for name in KDA_TENSORS:
             t = stacked[name].detach()
-            if device_digest.on_device(t) and not self.keep and t.shape[0]:
-                self._defer("kda", points, layer, name, t)
+            if name in words:
+                self._defer("kda", points, layer, name, t, words[name])
                 continue
             items = [self._item(t[i]) for i in range(t.shape[0])]
             for (rid, n), item in zip(points, items):

@@ -172,6 +172,25 @@ def _first_kernel_call(kernel, t: torch.Tensor, rows: bool) -> torch.Tensor:
     return out
 
 
+def summary_words_many(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """[summary_words(t, rows=True) for t in ts], the same words, from the kernel's grouped form where
+    every tensor takes the kernel (one words buffer, one launch per up to four tensors of a kind: a
+    KDA layer's four state tensors in one, where each took three launches of its own)."""
+    def kernel_takes(t: torch.Tensor) -> bool:
+        return ((t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") and t.numel() > 0 and t.dim() > 1
+                and not (t.is_floating_point() and t.element_size() == 1))
+    if ts and _KERNEL_CHECKED and _KERNEL_BROKEN is None and all(kernel_takes(t) for t in ts) \
+            and len({t.device for t in ts}) == 1:
+        try:
+            from k3verify.compare.digest_kernel import summary_words_many as grouped
+        except ImportError:
+            pass
+        else:
+            return grouped(ts)
+    # the first kernel call of the process is checked one tensor at a time (summary_words)
+    return [summary_words(t, rows=True) for t in ts]
+
+
 def read_words(words: list[int]) -> tuple[list[int], tuple[int, int, int] | None]:
     """One row of summary words -> (the LANES lanes, (count, first index, kind code) or None)."""
     lanes = [int(v) % P for v in words[:LANES]]

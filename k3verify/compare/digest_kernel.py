@@ -31,16 +31,14 @@ _C32: dict[torch.device, torch.Tensor] = {}
 
 
 @triton.jit
-def _digest_rows(h_ptr, f_ptr, c_ptr, out_ptr, n_h, n_f, h_stride, f_stride, c_stride,
-                 SHIFT: tl.constexpr, HAS_F: tl.constexpr, H_PER_F: tl.constexpr, UPCAST: tl.constexpr,
-                 P: tl.constexpr, BLOCK: tl.constexpr, PER_ELEMENT_MOD: tl.constexpr):
-    row = tl.program_id(0)
-    blk = tl.program_id(1)
+def _row_block(h_ptr, f_ptr, c_ptr, out, n_h, n_f, h_stride, f_stride, c_stride, row, blk,
+               SHIFT: tl.constexpr, HAS_F: tl.constexpr, H_PER_F: tl.constexpr, UPCAST: tl.constexpr,
+               P: tl.constexpr, BLOCK: tl.constexpr, PER_ELEMENT_MOD: tl.constexpr):
+    """Block `blk` of row `row`: its lanes' partial sums and finiteness into out[0:7] (atomics)."""
     offs = blk * BLOCK + tl.arange(0, BLOCK)
     m = offs < n_h
     h = tl.load(h_ptr + row * h_stride + offs, mask=m, other=0).to(tl.int64) + SHIFT
     h = tl.where(m, h, 0)
-    out = out_ptr + row * 7
     for lane in tl.static_range(4):
         c = tl.load(c_ptr + lane * c_stride + offs, mask=m, other=0).to(tl.int64)
         if PER_ELEMENT_MOD:
@@ -62,6 +60,48 @@ def _digest_rows(h_ptr, f_ptr, c_ptr, out_ptr, n_h, n_f, h_stride, f_stride, c_s
         tl.atomic_min(out + 5, tl.min(key, axis=0))
 
 
+@triton.jit
+def _digest_rows(h_ptr, f_ptr, c_ptr, out_ptr, n_h, n_f, h_stride, f_stride, c_stride,
+                 SHIFT: tl.constexpr, HAS_F: tl.constexpr, H_PER_F: tl.constexpr, UPCAST: tl.constexpr,
+                 P: tl.constexpr, BLOCK: tl.constexpr, PER_ELEMENT_MOD: tl.constexpr):
+    row = tl.program_id(0)
+    _row_block(h_ptr, f_ptr, c_ptr, out_ptr + row * 7, n_h, n_f, h_stride, f_stride, c_stride, row,
+               tl.program_id(1), SHIFT, HAS_F, H_PER_F, UPCAST, P, BLOCK, PER_ELEMENT_MOD)
+
+
+@triton.jit
+def _digest_slot(h_ptr, f_ptr, c_ptr, out_ptr, n_h, n_f, h_stride, f_stride, c_stride, g, first, last,
+                 SHIFT: tl.constexpr, HAS_F: tl.constexpr, H_PER_F: tl.constexpr, UPCAST: tl.constexpr,
+                 P: tl.constexpr, BLOCK: tl.constexpr):
+    """Global row g, if it is one of this slot's (rows first..last-1) and its block holds data."""
+    blk = tl.program_id(1)
+    if (g >= first) & (g < last) & (blk * BLOCK < n_h):
+        _row_block(h_ptr, f_ptr, c_ptr, out_ptr + g * 7, n_h, n_f, h_stride, f_stride, c_stride, g - first,
+                   blk, SHIFT, HAS_F, H_PER_F, UPCAST, P, BLOCK, False)
+
+
+@triton.jit
+def _digest_many_ranges(h0, f0, nh0, nf0, hs0, fs0, h1, f1, nh1, nf1, hs1, fs1,
+                        h2, f2, nh2, nf2, hs2, fs2, h3, f3, nh3, nf3, hs3, fs3,
+                        a0, b0, a1, b1, a2, b2, a3, b3, lo, c_ptr, c_stride, out_ptr,
+                        SHIFT: tl.constexpr, HAS_F: tl.constexpr, H_PER_F: tl.constexpr, UPCAST: tl.constexpr,
+                        SLOTS: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr):
+    """Up to four tensors of one kind (the same constexprs) in one launch. Program (i, blk) takes
+    block blk of row g = lo + i of the words buffer, in the slot whose rows [a_s, b_s) hold it."""
+    g = lo + tl.program_id(0)
+    _digest_slot(h0, f0, c_ptr, out_ptr, nh0, nf0, hs0, fs0, c_stride, g, a0, b0,
+                 SHIFT, HAS_F, H_PER_F, UPCAST, P, BLOCK)
+    if SLOTS > 1:
+        _digest_slot(h1, f1, c_ptr, out_ptr, nh1, nf1, hs1, fs1, c_stride, g, a1, b1,
+                     SHIFT, HAS_F, H_PER_F, UPCAST, P, BLOCK)
+    if SLOTS > 2:
+        _digest_slot(h2, f2, c_ptr, out_ptr, nh2, nf2, hs2, fs2, c_stride, g, a2, b2,
+                     SHIFT, HAS_F, H_PER_F, UPCAST, P, BLOCK)
+    if SLOTS > 3:
+        _digest_slot(h3, f3, c_ptr, out_ptr, nh3, nf3, hs3, fs3, c_stride, g, a3, b3,
+                     SHIFT, HAS_F, H_PER_F, UPCAST, P, BLOCK)
+
+
 def constants32(m: int, device: torch.device) -> torch.Tensor:
     """device_digest.constants(m, device) as int32 (every value is < 2^31), cached per device."""
     device = torch.device(device)
@@ -73,30 +113,102 @@ def constants32(m: int, device: torch.device) -> torch.Tensor:
     return table[:, :m]
 
 
+class _Prepared:
+    """A tensor as the kernel reads it: h (its 16-bit halves, or bytes when a row's byte count is odd),
+    flat (its own dtype, for finiteness), n rows, and the kernel's constexprs for it."""
+
+    def __init__(self, t: torch.Tensor, rows: bool) -> None:
+        x = t.detach()
+        if x.dtype == torch.bool:
+            x = x.to(torch.uint8)
+        self.n = x.shape[0] if rows else 1
+        self.flat = x.contiguous().reshape(self.n, -1)
+        raw = self.flat.view(torch.uint8)
+        if raw.storage_offset() % 2:              # int16 needs 2-byte alignment
+            raw = raw.clone()
+        even = raw.shape[1] % 2 == 0
+        self.h = raw.view(torch.int16) if even else raw
+        self.has_f = self.flat.is_floating_point()
+        self.key = (32768 if even else 0, self.has_f,
+                    max(1, self.flat.element_size() // 2) if even else 1,
+                    self.flat.dtype in (torch.bfloat16, torch.float16))
+
+    def blocks(self, block: int) -> int:
+        return max(1, triton.cdiv(self.h.shape[1], block))
+
+    def args(self) -> tuple:
+        f = self.flat if self.has_f else self.h
+        return (self.h, f, self.h.shape[1], self.flat.shape[1], self.h.stride(0), self.flat.stride(0))
+
+
+def _words_buffer(rows: int, device: torch.device) -> torch.Tensor:
+    out = torch.zeros(rows, 7, dtype=torch.int64, device=device)
+    out[:, 5] = dd.NO_KEY
+    return out
+
+
 def summary_words(t: torch.Tensor, rows: bool = False, per_element_mod: bool = False) -> torch.Tensor:
     """device_digest.summary_words(t, rows) in one launch: int64 [n, 7] on t's device.
     `per_element_mod`: the form before session 17 (the same words), for the bench's A/B only."""
-    x = t.detach()
-    if x.dtype == torch.bool:
-        x = x.to(torch.uint8)
-    n = x.shape[0] if rows else 1
-    flat = x.contiguous().reshape(n, -1)
-    raw = flat.view(torch.uint8)
-    if raw.storage_offset() % 2:              # int16 needs 2-byte alignment
-        raw = raw.clone()
-    even = raw.shape[1] % 2 == 0
-    h = raw.view(torch.int16) if even else raw
-    has_f = flat.is_floating_point()
-    out = torch.zeros(n, 7, dtype=torch.int64, device=x.device)
-    out[:, 5] = dd.NO_KEY
+    p = _Prepared(t, rows)
     block = BLOCK_PER_ELEMENT_MOD if per_element_mod else BLOCK
-    grid = (n, max(1, triton.cdiv(h.shape[1], block)))
-    if grid[1] > 65535 or n > 2 ** 31 - 1:          # past a launch grid's second axis: the torch form
+    grid = (p.n, p.blocks(block))
+    if grid[1] > 65535 or p.n > 2 ** 31 - 1:          # past a launch grid's second axis: the torch form
         return dd.summary_words_torch(t, rows)
-    c = dd.constants(h.shape[1], h.device) if per_element_mod else constants32(h.shape[1], h.device)
-    _digest_rows[grid](h, flat if has_f else h, c, out, h.shape[1], flat.shape[1], h.stride(0),
-                       flat.stride(0), c.stride(0), SHIFT=32768 if even else 0, HAS_F=has_f,
-                       H_PER_F=max(1, flat.element_size() // 2) if even else 1,
-                       UPCAST=flat.dtype in (torch.bfloat16, torch.float16), P=dd.P, BLOCK=block,
-                       PER_ELEMENT_MOD=per_element_mod)
+    out = _words_buffer(p.n, p.h.device)
+    c = dd.constants(p.h.shape[1], p.h.device) if per_element_mod else constants32(p.h.shape[1], p.h.device)
+    shift, has_f, h_per_f, upcast = p.key
+    h, f, n_h, n_f, h_stride, f_stride = p.args()
+    _digest_rows[grid](h, f, c, out, n_h, n_f, h_stride, f_stride, c.stride(0), SHIFT=shift, HAS_F=has_f,
+                       H_PER_F=h_per_f, UPCAST=upcast, P=dd.P, BLOCK=block, PER_ELEMENT_MOD=per_element_mod)
     return out
+
+
+SLOTS = 4      # tensors one launch of _digest_many takes
+
+
+def summary_words_many(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """[summary_words(t, rows=True) for t in ts], the same words, with one words buffer for all of
+    them and one launch per up to SLOTS tensors of one kind (dtype class and byte parity), not three
+    launches per tensor: a step's capture launches were its cost (NOTES.md, session 21). A tensor past
+    the launch grid's limits takes its own call (the torch form)."""
+    if not ts:
+        return []
+    preps = [_Prepared(t, rows=True) for t in ts]
+    device = preps[0].h.device
+    out = _words_buffer(sum(p.n for p in preps), device)
+    starts, at = [], 0
+    for p in preps:
+        starts.append(at)
+        at += p.n
+    result: list[torch.Tensor | None] = [out[s:s + p.n] for s, p in zip(starts, preps)]
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(preps):
+        if p.blocks(BLOCK) > 65535 or p.n > 2 ** 31 - 1:
+            result[i] = dd.summary_words_torch(ts[i], rows=True)
+        else:
+            groups.setdefault(p.key, []).append(i)
+    c = constants32(max(p.h.shape[1] for p in preps), device)
+    for key, members in groups.items():
+        for k in range(0, len(members), SLOTS):
+            _launch_group([preps[i] for i in members[k:k + SLOTS]], [starts[i] for i in members[k:k + SLOTS]],
+                          key, c, out)
+    return result
+
+
+def _launch_group(preps: list[_Prepared], starts: list[int], key: tuple, c: torch.Tensor,
+                  out: torch.Tensor) -> None:
+    """One launch for 1..SLOTS prepared tensors of one kind, whose rows start at `starts` in `out`.
+    The launch spans out's rows from the first slot's start to the last slot's end; a row in between
+    that belongs to another group lies in no slot's range and is left to that group's launch."""
+    shift, has_f, h_per_f, upcast = key
+    slots = [p.args() for p in preps]
+    ranges = [(s, s + p.n) for s, p in zip(starts, preps)]
+    lo, hi = ranges[0][0], ranges[-1][1]
+    while len(slots) < SLOTS:                       # unused slots: an empty range, never taken
+        slots.append(slots[0])
+        ranges.append((0, 0))
+    grid = (hi - lo, max(p.blocks(BLOCK) for p in preps))
+    _digest_many_ranges[grid](*[a for slot in slots for a in slot], *[r for rg in ranges for r in rg], lo, c,
+                              c.stride(0), out, SHIFT=shift, HAS_F=has_f, H_PER_F=h_per_f, UPCAST=upcast,
+                              SLOTS=len(preps), P=dd.P, BLOCK=BLOCK)
