@@ -14,6 +14,7 @@
 #    the batches; at the batches in PER_REQUEST_B (default 16) the bench also times the capture through
 #    the per-request observer calls in the same process (the form before session 16's batched calls).
 #    TESTS=0 skips step 2 (a call whose kernels the carried .gpu-cache already holds).
+# 4. PREFILL_PROFILE=32768: the prefill A/B and kernel-family profile against transformers (below).
 # Results in $OUT (8 files at most): logs.tar (env, warm, pytest and bench logs, the bench JSONs) and
 # triton-cache.tar.gz.
 set -uo pipefail
@@ -51,6 +52,20 @@ for b in ${CAPTURE_B-16 64}; do
   since "capture bench B=$b rc=$?"
   tail -2 "$OUT/logs/capture-b$b.log"
 done
+# 4. PREFILL_PROFILE=N (default off): perf/prefill_ab at N tokens, the phase set against the reference
+#    and transformers (--peer), then --profile N (device ms by kernel family) while the call has time.
+#    PREFILL_SETS (default "phase;phase+gemm_per_shape").
+if [ -n "${PREFILL_PROFILE:-}" ]; then
+  if [ "$(limit 90)" -lt 90 ]; then
+    since "prefill profile: no time left"
+  else
+    timeout "$(limit 240)" python3 -m k3verify.perf.prefill_ab --out "$OUT/logs/prefill" --model k3-small --peer \
+      --tokens "$PREFILL_PROFILE" --repeats 3 --sets "${PREFILL_SETS:-phase;phase+gemm_per_shape}" \
+      --profile "$PREFILL_PROFILE" > "$OUT/logs/prefill.md" 2> "$OUT/logs/prefill.log"
+    since "prefill profile rc=$?"
+    grep "^profile" "$OUT/logs/prefill.log" | cut -c1-240
+  fi
+fi
 triton_cache_save "$OUT"
 (cd "$OUT" && tar -cf logs.tar logs && rm -rf logs)
 since "packed"
