@@ -152,3 +152,38 @@ def test_the_benchs_digest_cost_runs_every_form_and_finds_their_words_equal():
     dc = digest_cost(load_model("k3-mini"), batch=2, reps=1)
     assert dc["forms_same_words"] is True and dc["kernel_broken"] is None
     assert {"stack_and_digest_grouped_ms", "stack_and_digest_per_element_mod_ms"} <= set(dc)
+
+
+@pytest.mark.parametrize("fault", ["raises", "differs"])
+def test_a_grouped_form_that_fails_or_differs_on_its_first_call_is_not_used(monkeypatch, capsys, fault):
+    """The grouped kernel's first call in a process is checked against the per-tensor kernel: a launch
+    that fails, or words that differ, leave the per-tensor words (never a wrong digest) and say why."""
+    from k3verify.compare import digest_kernel
+    monkeypatch.setattr(dd, "_GROUPED_CHECKED", False)
+    monkeypatch.setattr(dd, "_GROUPED_BROKEN", None)
+    ts = [t.to(DEVICE) for t in _mixed(3)[:3]]
+    dd.summary_words(ts[0], rows=True)                        # the per-tensor kernel checked first
+
+    def bad(xs):
+        if fault == "raises":
+            raise RuntimeError("no launch here")
+        return [torch.zeros_like(w) for w in digest_kernel.summary_words_many(xs)]
+    monkeypatch.setattr(digest_kernel, "summary_words_many", bad)
+    got = dd.summary_words_many(ts)
+    assert all(_same(g.cpu(), _kernel(t, rows=True)) for g, t in zip(got, ts))
+    assert dd._GROUPED_BROKEN and "grouped device digest could not be used" in capsys.readouterr().err
+    assert all(_same(g.cpu(), _kernel(t, rows=True)) for g, t in zip(dd.summary_words_many(ts), ts))
+
+
+def test_negative_control_a_sound_grouped_form_is_checked_once_then_taken(monkeypatch):
+    from k3verify.compare import digest_kernel
+    monkeypatch.setattr(dd, "_GROUPED_CHECKED", False)
+    monkeypatch.setattr(dd, "_GROUPED_BROKEN", None)
+    ts = [t.to(DEVICE) for t in _mixed(4)[:3]]
+    dd.summary_words(ts[0], rows=True)
+    calls = []
+    real = digest_kernel.summary_words_many
+    monkeypatch.setattr(digest_kernel, "summary_words_many", lambda xs: (calls.append(1), real(xs))[1])
+    first, second = dd.summary_words_many(ts), dd.summary_words_many(ts)
+    assert dd._GROUPED_BROKEN is None and dd._GROUPED_CHECKED and len(calls) == 2
+    assert all(_same(a.cpu(), b.cpu()) for a, b in zip(first, second))

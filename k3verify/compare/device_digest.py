@@ -142,9 +142,7 @@ def summary_words(t: torch.Tensor, rows: bool = False) -> torch.Tensor:
     """summary_words_torch's words, from the one-launch Triton kernel where it runs (a CUDA tensor,
     or any tensor under TRITON_INTERPRET=1), else from the torch form. One-byte floats (fp8) and
     0-dim rows take the torch form."""
-    use_kernel = (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") and t.numel() > 0 \
-        and not (t.is_floating_point() and t.element_size() == 1) and (t.dim() > 1 if rows else True)
-    if use_kernel and _KERNEL_BROKEN is None:
+    if _kernel_takes(t, rows) and _KERNEL_BROKEN is None:
         try:
             from k3verify.compare.digest_kernel import summary_words as kernel
         except ImportError:            # no triton here: the torch form
@@ -153,8 +151,17 @@ def summary_words(t: torch.Tensor, rows: bool = False) -> torch.Tensor:
     return summary_words_torch(t, rows)
 
 
+def _kernel_takes(t: torch.Tensor, rows: bool) -> bool:
+    """Whether the Triton kernel digests t: a CUDA tensor, or any under TRITON_INTERPRET=1; not empty,
+    not a one-byte float (fp8), and with rows to take when `rows`."""
+    return ((t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") and t.numel() > 0
+            and not (t.is_floating_point() and t.element_size() == 1) and (t.dim() > 1 if rows else True))
+
+
 _KERNEL_CHECKED = False
 _KERNEL_BROKEN: str | None = None      # why the kernel could not run here (its first call failed)
+_GROUPED_CHECKED = False
+_GROUPED_BROKEN: str | None = None     # why the grouped form is not used here (its first call failed or differed)
 
 
 def _first_kernel_call(kernel, t: torch.Tensor, rows: bool) -> torch.Tensor:
@@ -175,20 +182,35 @@ def _first_kernel_call(kernel, t: torch.Tensor, rows: bool) -> torch.Tensor:
 def summary_words_many(ts: list[torch.Tensor]) -> list[torch.Tensor]:
     """[summary_words(t, rows=True) for t in ts], the same words, from the kernel's grouped form where
     every tensor takes the kernel (one words buffer, one launch per up to four tensors of a kind: a
-    KDA layer's four state tensors in one, where each took three launches of its own)."""
-    def kernel_takes(t: torch.Tensor) -> bool:
-        return ((t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") and t.numel() > 0 and t.dim() > 1
-                and not (t.is_floating_point() and t.element_size() == 1))
-    if ts and _KERNEL_CHECKED and _KERNEL_BROKEN is None and all(kernel_takes(t) for t in ts) \
-            and len({t.device for t in ts}) == 1:
-        try:
-            from k3verify.compare.digest_kernel import summary_words_many as grouped
-        except ImportError:
-            pass
-        else:
-            return grouped(ts)
-    # the first kernel call of the process is checked one tensor at a time (summary_words)
-    return [summary_words(t, rows=True) for t in ts]
+    KDA layer's four state tensors in one, where each took three launches of its own). The grouped
+    form's first call in a process is checked word for word against the per-tensor calls; if it fails
+    or differs, it says so once on stderr and the per-tensor form is taken from then on."""
+    global _GROUPED_CHECKED, _GROUPED_BROKEN
+    one_by_one = lambda: [summary_words(t, rows=True) for t in ts]          # noqa: E731
+    if not (ts and _KERNEL_CHECKED and _KERNEL_BROKEN is None and _GROUPED_BROKEN is None
+            and all(_kernel_takes(t, True) for t in ts) and len({t.device for t in ts}) == 1):
+        return one_by_one()              # the process's first kernel call is checked per tensor first
+    try:
+        from k3verify.compare.digest_kernel import summary_words_many as grouped
+    except ImportError:
+        return one_by_one()
+    if _GROUPED_CHECKED:
+        return grouped(ts)
+    want = one_by_one()
+    try:
+        got = grouped(ts)
+        same = len(got) == len(want) and all(
+            torch.equal(a[:, :LANES] % P, b[:, :LANES] % P) and torch.equal(a[:, LANES:], b[:, LANES:])
+            for a, b in zip(got, want))
+        problem = None if same else "its words differ from the per-tensor kernel's"
+    except Exception as exc:   # noqa: BLE001 - any compile or launch failure of the first call
+        problem = f"{type(exc).__name__}: {exc}"[:300]
+    if problem:
+        _GROUPED_BROKEN = problem
+        print(f"k3verify: the grouped device digest could not be used ({problem}); digesting per tensor",
+              file=sys.stderr, flush=True)
+    _GROUPED_CHECKED = True
+    return want
 
 
 def read_words(words: list[int]) -> tuple[list[int], tuple[int, int, int] | None]:

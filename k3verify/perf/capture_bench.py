@@ -197,6 +197,7 @@ def digest_cost(model, batch: int, reps: int = 10) -> dict:
             lambda: one_step(True, "grouped"))
         a, b, c = one_step(True, "default"), one_step(True, "per_element_mod"), one_step(True, "grouped")
         out["kernel_broken"] = device_digest._KERNEL_BROKEN        # None: the default arm ran the kernel
+        out["grouped_broken"] = device_digest._GROUPED_BROKEN      # None: the grouped arm ran grouped
         L = device_digest.LANES
 
         def same(xs, ys) -> bool:
