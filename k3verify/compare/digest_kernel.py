@@ -181,7 +181,7 @@ def summary_words_many(ts: list[torch.Tensor]) -> list[torch.Tensor]:
     for p in preps:
         starts.append(at)
         at += p.n
-    result: list[torch.Tensor | None] = [out[s:s + p.n] for s, p in zip(starts, preps)]
+    result = [out[s:s + p.n] for s, p in zip(starts, preps)]
     groups: dict[tuple, list[int]] = {}
     for i, p in enumerate(preps):
         if p.blocks(BLOCK) > 65535 or p.n > 2 ** 31 - 1:

@@ -111,6 +111,11 @@ def bench_prefill(model, tokens: int, candidate: tuple[str, ...], *, repeats: in
                 "tokens_per_s_reference": tokens / t_ref, "tokens_per_s_candidate": tokens / t_cand,
                 "ratio": t_ref / t_cand, "ci95": [t_ref / t_cand, t_ref / t_cand], "repeats": 1}
     ab = interleaved(ref, cand, repeats=repeats, tokens=tokens, labels=("reference", "+".join(candidate)))
+    return prefill_row(ab, tokens, repeats)
+
+
+def prefill_row(ab, tokens: int, repeats: int) -> dict[str, Any]:
+    """A prefill A/B (perf/ab.py ABResult, baseline first) as a bench row."""
     d = ab.to_dict()
     return {"workload": f"prefill {tokens}", "tokens": tokens, "reference_s": d["median_s_a"],
             "candidate_s": d["median_s_b"], "tokens_per_s_reference": d["tokens_per_s_a"],

@@ -84,11 +84,9 @@ def peer_rows(model, peer, tokens: list[int], against: str, repeats: int, log=pr
         ids = gpu_bench._ids(n, model.config.vocab_size, 7).to(model.device)
         ours = gpu_bench._timed_fn(names, lambda: model.logits(ids))
         theirs = lambda: (peer.prefill(n), gpu_bench.sync())
-        d = interleaved(theirs, ours, repeats=repeats, tokens=n, labels=("transformers", against)).to_dict()
-        r = {"workload": f"prefill {n}", "tokens": n, "set": f"{against} vs transformers", "toggles": list(names),
-             "reference": "transformers", "reference_s": d["median_s_a"], "candidate_s": d["median_s_b"],
-             "tokens_per_s_reference": d["tokens_per_s_a"], "tokens_per_s_candidate": d["tokens_per_s_b"],
-             "ratio": d["ratio"], "ci95": d["ci95"], "repeats": repeats, "peer": peer.info}
+        ab = interleaved(theirs, ours, repeats=repeats, tokens=n, labels=("transformers", against))
+        r = {**gpu_bench.prefill_row(ab, n, repeats), "set": f"{against} vs transformers", "toggles": list(names),
+             "reference": "transformers", "peer": peer.info}
         log(f"prefill {n:>6} {r['set']:<24} {gpu_bench.fmt_ratio(r)}")
         rows.append(r)
     return rows
