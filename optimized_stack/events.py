@@ -61,6 +61,8 @@ EVENTS = {
                               "through one sort (engine._sorted_experts)",
     "fast_padded_rows": "the batched decode step ran padding rows up to the ladder size (FastDecoder.run)",
     "graph_replay": "the batched decode step was replayed from a captured CUDA graph (FastDecoder._forward)",
+    "fast_step_digests": "a decode row's logits and KDA states were digested for the observers inside the "
+                         "batched decode step (FastDecoder.run; engine/fast/step_digests.py)",
     "fast_kda_value_tiles": "a decode row's KDA recurrence ran more than one 64-wide value tile in the batched "
                             "step (FastDecoder.run; only where the value head is > 64)",
     "fast_fused_conv_rows": "a decode row's KDA convs ran as the fused Triton kernel (fused_kda_conv; "

@@ -59,3 +59,21 @@ def test_device_time_runs_the_call_once_and_counts_no_device_work_on_a_cpu():
         assert (ms, acts) == (0.0, 0)
     else:                                     # on a GPU the sum is one kernel at least
         assert acts >= 1 and ms >= 0
+
+
+def test_after_step_arm_times_the_same_digests_and_the_default_took_them_in_the_step(tmp_path, monkeypatch):
+    """--after-step: the capture with its calls after the step beside the default, whose digests rode in
+    the fast step (K3_DIGEST=m31x4 gives CPU tensors the device digest, as CUDA tensors have it); the two
+    recorded the same digests. Without the device digest the default arm takes none in the step."""
+    monkeypatch.setenv("K3_DIGEST", "m31x4")
+    assert capture_bench.main(["--out", str(tmp_path), "--device", "cpu", "--batch", "3", "--context", "24",
+                               "--new-tokens", "3", "--repeats", "2", "--after-step"]) == 0
+    doc = json.loads((tmp_path / "capture_overhead.json").read_text())
+    assert doc["in_step"]["digest_steps"] == 2 and doc["in_step"]["off"] is None    # new-tokens 3: 2 decode steps
+    af = doc["after_step"]
+    assert af["same_digests_as_in_step"] is True and af["ab"]["b"] == "capture, calls after the step"
+    assert af["ci95"][0] <= af["overhead"] <= af["ci95"][1]
+    monkeypatch.delenv("K3_DIGEST")
+    assert capture_bench.main(["--out", str(tmp_path), "--device", "cpu", "--batch", "2", "--context", "24",
+                               "--new-tokens", "3", "--repeats", "2"]) == 0
+    assert json.loads((tmp_path / "capture_overhead.json").read_text())["in_step"]["digest_steps"] == 0

@@ -7,7 +7,11 @@ the verifier's sequential runner call):
 - on_finish(request, result, mla_rows {layer: [S, R]}) -> the token stream and MLA row hashes
 - on_step(step, scheduled)                   -> step count
 and the engine's batched forms of the first two (on_logits_rows, on_kda_states: every request of a
-step in one call, so on the device one digest launch covers all of them).
+step in one call, so on the device one digest launch covers all of them). Where its digests are the
+device's (m31x4), a capture also offers the engine a digester to run inside the fast decode step and
+its CUDA graph (step_digester, on_step_words: optimized_stack/engine/fast/step_digests.py), so a
+watched step adds no launches of its own; `in_step=False` keeps the calls after the step (the bench's
+other arm). The items are the same either way (tests/test_step_digests.py).
 
 Hash by default (cheap); `keep=True` also keeps the tensors, which the comparator needs
 to turn a hash mismatch into ULP / KL findings. Beside every hash the capture records the
@@ -121,8 +125,9 @@ class RequestCapture:
 class Capture:
     """Collects hashes (and optionally tensors) of every logit row and state point of a run."""
 
-    def __init__(self, *, keep: bool = False, label: str = ""):
+    def __init__(self, *, keep: bool = False, label: str = "", in_step: bool = True):
         self.keep = keep
+        self.in_step = in_step              # offer the engine's fast step a digester (see the docstring)
         self._pending = _Pending()
         self.label = label
         self._requests: dict[str, RequestCapture] = {}
@@ -164,7 +169,11 @@ class Capture:
                words: torch.Tensor | None = None) -> None:
         if words is None:
             words = device_digest.summary_words(t, rows=True)
-        self._deferred.append((kind, points, layer, name, t.dtype, tuple(t.shape[1:]), words))
+        self._defer_words(kind, points, layer, name, t.dtype, tuple(t.shape[1:]), words)
+
+    def _defer_words(self, kind: str, points: list, layer: int, name: str, dtype: torch.dtype,
+                     shape: tuple[int, ...], words: torch.Tensor) -> None:
+        self._deferred.append((kind, points, layer, name, dtype, shape, words))
         if len(self._deferred) >= _Pending.LIMIT:
             self._flush()
 
@@ -224,6 +233,25 @@ class Capture:
             items = [self._item(t[i]) for i in range(t.shape[0])]
             for (rid, n), item in zip(points, items):
                 self.request(rid).kda.setdefault(n, {})[(layer, name)] = item
+
+    def step_digester(self, device: torch.device):
+        """The digester the engine's fast step may run inside itself (and its graph) for this capture:
+        the device digest's, where this capture would take m31x4 digests of tensors on `device` and
+        keeps no tensors; else None (the engine then makes the calls after the step)."""
+        if self.keep or not self.in_step or not device_digest.on_device(torch.empty(0, device=device)):
+            return None
+        return device_digest.StepDigester()
+
+    def on_step_words(self, layout: list, logits_points: list[tuple[str, int]],
+                      state_points: list[tuple[str, int]], words: torch.Tensor) -> None:
+        """The fast step's own digests: words[j][i] are the summary words of layout[j]'s row i, the
+        logits row of logits_points[i] or KDA layer layout[j].layer's tensor of state_points[i]; filed
+        as on_logits_rows / on_kda_states file theirs (the same items)."""
+        for entry, w in zip(layout, words):
+            if entry.kind == "logits":
+                self._defer_words("logits", logits_points, -1, "", entry.dtype, entry.shape, w)
+            else:
+                self._defer_words("kda", state_points, entry.layer, entry.name, entry.dtype, entry.shape, w)
 
     def on_kda_state(self, request_id: str, num_tokens: int, layer: int, state: Any) -> None:
         point = self.request(request_id).kda.setdefault(num_tokens, {})

@@ -213,6 +213,42 @@ def summary_words_many(ts: list[torch.Tensor]) -> list[torch.Tensor]:
     return want
 
 
+class StepDigester:
+    """The capture's digest as the engine's fast decode step takes it inside the step and its CUDA graph
+    (optimized_stack/engine/fast/step_digests.py): `words` launches the grouped kernel (or, where the
+    kernel does not run, the torch form) and nothing else, so it can be captured; `check` is the torch
+    form, the independent one, that the engine holds the first words of every graph against."""
+
+    scheme = SCHEME
+
+    def words(self, ts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """summary_words(t, rows=True) for each t: [rows, WORDS] int64 each, lanes as partial sums."""
+        if _KERNEL_BROKEN is None and _GROUPED_BROKEN is None and all(_kernel_takes(t, True) for t in ts):
+            try:
+                from k3verify.compare.digest_kernel import summary_words_many as grouped
+            except ImportError:
+                grouped = None
+            if grouped is not None:
+                return grouped(ts)
+        return [summary_words_torch(t, rows=True) for t in ts]
+
+    def check(self, ts: list[torch.Tensor], words: list[torch.Tensor]) -> str | None:
+        """None when `words` are the torch form's words of `ts`; else which tensor and row differ."""
+        if len(words) != len(ts):
+            return f"{len(words)} words tensors for {len(ts)} tensors"
+        for i, (t, got) in enumerate(zip(ts, words)):
+            want = summary_words_torch(t, rows=True)
+            if got.shape != want.shape:
+                return f"tensor {i}: words of shape {list(got.shape)}, the torch form's {list(want.shape)}"
+            lanes = (got[:, :LANES] % P) != want[:, :LANES]
+            rest = got[:, LANES:] != want[:, LANES:].to(got.device)
+            bad = (lanes.to(want.device).any(-1) | rest.to(want.device).any(-1)).nonzero()
+            if bad.numel():
+                return (f"tensor {i} ({str(t.dtype).removeprefix('torch.')}{list(t.shape)}): row {int(bad[0])} "
+                        f"and {bad.numel() - 1} more differ from the torch form's words")
+        return None
+
+
 def read_words(words: list[int]) -> tuple[list[int], tuple[int, int, int] | None]:
     """One row of summary words -> (the LANES lanes, (count, first index, kind code) or None)."""
     lanes = [int(v) % P for v in words[:LANES]]

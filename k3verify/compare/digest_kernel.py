@@ -28,6 +28,9 @@ from k3verify.compare import device_digest as dd
 BLOCK = 4096                # products a block sums before one remainder: 4096 * 2^16 * 2^31 = 2^59 < 2^63
 BLOCK_PER_ELEMENT_MOD = 1024
 _C32: dict[torch.device, torch.Tensor] = {}
+# every table ever handed out stays alive: a CUDA graph that captured a launch holds its address, not a
+# reference, and would read freed memory after the table grew (the engine's in-step digests)
+_C32_ALL: list[torch.Tensor] = []
 
 
 @triton.jit
@@ -110,6 +113,7 @@ def constants32(m: int, device: torch.device) -> torch.Tensor:
         dd.constants(m, device)
         table = dd._CONSTANTS[device].to(torch.int32)      # the whole grown table, not just [:m]
         _C32[device] = table
+        _C32_ALL.append(table)
     return table[:, :m]
 
 

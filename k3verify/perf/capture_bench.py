@@ -1,7 +1,7 @@
 """What the verifier's capture costs the engine it watches (issue 27 item 4: <= 5% on the GPU).
 
     python -m k3verify.perf.capture_bench --out DIR [--model k3-small] [--device cuda] [--batch 64]
-        [--context 512] [--new-tokens 32] [--repeats 6] [--per-request]
+        [--context 512] [--new-tokens 32] [--repeats 6] [--per-request] [--after-step]
 
 The counted stack (serving/stack.py) decodes `batch` requests of a copied `context` (fast_bench_setup:
 no prefill timed) for `new_tokens` steps, interleaved with the same run under a Capture observer
@@ -11,7 +11,11 @@ its first step, where graphs are captured, are the same in both and would dilute
 session 15's +55% at B = 16 was of whole runs, ~95% set-up); the whole-run figure stays beside it
 as "with_setup". With an observer the batched step keeps its rows (FastDecoder.run
 keep_rows) and the capture hashes them, so the overhead is the copies, the hashing and any
-device-to-host sync they force. Writes DIR/capture_overhead.json: {"overhead": extra time of the
+device-to-host sync they force. Where the capture's digests are the device's, the counted stack takes
+them inside its decode step and graph (engine/fast/step_digests.py; `in_step` in the file says whether
+the timed runs did); `--after-step` also times the same capture with the calls after the step
+(Capture(in_step=False), the form before 2026-12-07) in its own interleaved pair, and checks that the
+two recorded the same digests. Writes DIR/capture_overhead.json: {"overhead": extra time of the
 captured run as a fraction, "ci95": its interval, the median seconds of each arm, the setup}; that
 file is perf/engine_summary.py's --capture.
 """
@@ -65,7 +69,7 @@ def _overhead(ab) -> dict:
 
 
 def engine_capture_overhead(model, names: tuple[str, ...], *, batch: int, context: int, new_tokens: int,
-                            repeats: int, per_request: bool = False) -> dict:
+                            repeats: int, per_request: bool = False, after_step: bool = False) -> dict:
     """The headline: the decode steps after the first (`overhead`, per step `extra_ms_per_step`):
     a steady engine watched against the same engine unwatched. Beside it `with_setup`: the whole run,
     the engine's construction, the donor's copies and the first step (graph capture) included, the
@@ -75,6 +79,7 @@ def engine_capture_overhead(model, names: tuple[str, ...], *, batch: int, contex
         raise ValueError("capture_bench needs new_tokens >= 2: the first step is set-up, the rest are timed")
     donor = Donor.prefill(model, context)
     totals: dict[str, list[float]] = {}
+    fast_stats: dict[str, object] = {}          # arm -> its last engine's FastStats (in-step evidence)
     with toggles.applied(list(names)) as ap:
         # a budget that seeds all `batch` requests at once (seeded_engine refuses less): with 256 before
         # 2026-12-07 most requests were prefilled inside the timed steps
@@ -94,14 +99,17 @@ def engine_capture_overhead(model, names: tuple[str, ...], *, batch: int, contex
             assert len(eng.results) == batch and all(r.finish_reason == "length" for r in eng.results.values()), \
                 "a request stopped early: the arms would not time the same work"
             totals.setdefault(arm, []).append(t2 - t0)
+            if eng.fast is not None:
+                fast_stats[arm] = eng.fast.stats
             return t2 - t1
 
         captures: list[Capture] = []
         captures_per_request: list[Capture] = []
+        captures_after_step: list[Capture] = []
 
-        def watched(arm: str, wrap, into: list) -> Callable[[], float]:
+        def watched(arm: str, wrap, into: list, make=Capture) -> Callable[[], float]:
             def go() -> float:
-                cap = Capture()
+                cap = make()
                 into.append(cap)
                 return run(arm, (wrap(cap),))
             return go
@@ -117,6 +125,14 @@ def engine_capture_overhead(model, names: tuple[str, ...], *, batch: int, contex
                                  labels=("no capture", "capture, per-request calls"))
             before_setup = _whole_runs(totals, "none", "per_request", batch * new_tokens,
                                        ("no capture", "capture, per-request calls"))
+        outside = None
+        if after_step:
+            totals.pop("none")
+            outside = interleaved(lambda: run("none", ()),
+                                  watched("after_step", lambda c: c, captures_after_step,
+                                          make=lambda: Capture(in_step=False)),
+                                  repeats=repeats, tokens=steady_tokens, self_timed=True,
+                                  labels=("no capture", "capture, calls after the step"))
     rows = sum(len(rc.logits) for rc in captures[-1].requests.values()) if captures else 0
     steps = new_tokens - 1
     doc = {**_overhead(ab), "timed": f"decode steps 2..{new_tokens} (the first step and the set-up are not timed)",
@@ -124,6 +140,13 @@ def engine_capture_overhead(model, names: tuple[str, ...], *, batch: int, contex
            "with_setup": _overhead(setup_ab), "stack": list(names), "batch": batch, "context": context,
            "new_tokens": new_tokens, "repeats": repeats, "captured_logits_rows": rows,
            "digest_cost": digest_cost(model, batch)}
+    stats = fast_stats.get("capture")
+    doc["in_step"] = {"digest_steps": getattr(stats, "digest_steps", 0), "off": getattr(stats, "digests_off", None)}
+    if outside is not None:
+        same = captures[-1].to_json()["requests"] == captures_after_step[-1].to_json()["requests"]
+        doc["after_step"] = {**_overhead(outside), "same_digests_as_in_step": same,
+                             "extra_ms_per_step": 1e3 * (outside.to_dict()["median_s_b"]
+                                                         - outside.to_dict()["median_s_a"]) / steps}
     if before is not None:
         # the two forms must have recorded the same digests, or the comparison timed different work
         same = captures[-1].to_json()["requests"] == captures_per_request[-1].to_json()["requests"]
@@ -242,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=6)
     ap.add_argument("--per-request", action="store_true",
                     help="also time the capture through the per-request observer calls (the form before batching)")
+    ap.add_argument("--after-step", action="store_true",
+                    help="also time the capture with its calls after the step (no in-step digests)")
     args = ap.parse_args(argv)
     for name, least in (("batch", 1), ("context", 1), ("new_tokens", 2), ("repeats", 2)):
         if getattr(args, name) < least:
@@ -257,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"model": model_name, "device": args.device, "dtype": str(dtype).replace("torch.", ""),
            **engine_capture_overhead(model, counted_toggles(args.device), batch=args.batch, context=args.context,
                                      new_tokens=args.new_tokens, repeats=args.repeats,
-                                     per_request=args.per_request)}
+                                     per_request=args.per_request, after_step=args.after_step)}
     args.out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(args.out / "capture_overhead.json", json.dumps(doc, indent=1))
     ab = doc["ab"]
@@ -278,6 +303,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{dc['stack_and_digest_grouped_device_ms']:.2f} ms, {dc['stack_and_digest_grouped_launches']} "
               f"activities); "
               f"same words: {dc['forms_same_words']}; kernel failed: {dc['kernel_broken']}")
+    ins = doc["in_step"]
+    print(f"  digests inside the step: {ins['digest_steps']} steps of the last watched run"
+          + (f" (turned off: {ins['off']})" if ins["off"] else ""))
+    if "after_step" in doc:
+        af = doc["after_step"]
+        print(f"  the same capture with its calls after the step: {af['overhead']:+.1%} "
+              f"[{af['ci95'][0]:+.1%}, {af['ci95'][1]:+.1%}], {af['extra_ms_per_step']:+.2f} ms a step; "
+              f"same digests: {af['same_digests_as_in_step']}")
     if "per_request" in doc:
         pr = doc["per_request"]
         print(f"  the same capture through per-request calls: {pr['overhead']:+.1%} "

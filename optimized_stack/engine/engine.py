@@ -29,6 +29,7 @@ from ..model import ops
 from ..model.kda import KDAState
 from ..model.model import K3Model
 from .fast.decoder import FastDecoder
+from .fast.step_digests import StepDigests, step_digester
 from .metrics import EngineMetrics, PrefixTrie
 from .options import EngineOptions, RequestResult, SamplingParams, StepOutput
 from .sampler import Sampler
@@ -60,6 +61,10 @@ class EngineObserver:
     # was its ~B x layers x 4 launches a step, NOTES.md session 16).
     #   on_logits_rows(points [(request_id, position)], rows [n, V])   one row per point
     #   on_kda_states(points [(request_id, num_tokens)], layer, {name: [n, ...]})   stacked copies
+    # And digests taken inside the fast decode step (and its CUDA graph), when every observer offers
+    # one digester (engine/fast/step_digests.py; the calls above then skip that step's fast rows):
+    #   step_digester(device) -> a digester or None
+    #   on_step_words(layout [Entry], logits_points, state_points, words [len(layout), n, W])
 
 
 def emit_logits_rows(obs, points: list[tuple[str, int]], rows: torch.Tensor) -> None:
@@ -117,6 +122,10 @@ class Engine:
         self._emitted: dict[Request, list[int]] = {}       # tokens a verification emitted this step
         # plain decode steps as one static-shape forward (engine/fast), greedy tokens sampled there
         self.fast = FastDecoder(model, self.store, self.opts) if self.opts.batched_decode else None
+        digester = step_digester(self.observers, model.device) if self.fast is not None else None
+        if digester is not None:          # the observers' digests of a fast step ride inside it
+            self.fast.step.digests = StepDigests(digester, self.fast.step.kda, model.config.vocab_size)
+        self._observed_in_step: set[Request] = set()      # this step's requests whose states came with the step
         self._sorted_form = self._sorted_experts_form()
         self._sampled: dict[Request, int] = {}
 
@@ -308,7 +317,8 @@ class Engine:
         """A step of plain decodes through engine/fast: the step wrote rows and state into the
         pools; here the same bookkeeping as the loop above, per request."""
         assert self.fast is not None
-        rows, tokens = self.fast.run(plan, keep_rows=bool(self.observers))
+        out = self.fast.run(plan, keep_rows=bool(self.observers))
+        rows, tokens = out.rows, out.tokens
         last: dict[Request, torch.Tensor] = {}
         points: list[tuple[str, int]] = []                  # (request, position) of each row
         for i, (req, _) in enumerate(plan):
@@ -321,7 +331,13 @@ class Engine:
             last[req] = rows[i]
             if tokens[i] is not None:
                 self._sampled[req] = tokens[i]
-        if self.observers:                          # the step's rows were computed together: one call
+        if self.observers and out.words is not None:   # digested inside the step: rows and states
+            layout = self.fast.step.digests.layout             # words come only while the digests hold
+            states = [(rid, pos + 1) for rid, pos in points]        # the state after the row's token
+            for obs in self.observers:
+                obs.on_step_words(layout, points, states, out.words)
+            self._observed_in_step.update(req for req, _ in plan)
+        elif self.observers:                        # the step's rows were computed together: one call
             for obs in self.observers:
                 emit_logits_rows(obs, points, rows[:len(plan)])
         return last
@@ -369,6 +385,10 @@ class Engine:
         """Every stepped request's KDA state, after its tokens were taken and before any finishes:
         per layer and tensor one stacked copy of all requests' rows (one launch, not one per request;
         the paged store gathers them from its pool by slot, no per-request views)."""
+        reqs = [req for req in reqs if req not in self._observed_in_step]
+        self._observed_in_step.clear()
+        if not reqs:
+            return
         points = [(req.request_id, req.num_computed) for req in reqs]
         for layer, stacked in self.store.kda_states_stacked(reqs).items():
             for obs in self.observers:

@@ -38,6 +38,7 @@ from .kda_step import FAST_KDA_ENV, kda_decode
 from .mla_step import PAGED_FORMS, PagedMLA, mla_decode
 from .moe_static import (routed_static, routed_static_fused, routed_static_fused_drop_last,
                          routed_static_fused_slot_order, routed_static_grouped)
+from .step_digests import StepDigests
 
 CAPTURABLE_EXPERTS = (None, routed_static, routed_static_grouped, routed_static_fused, routed_static_fused_slot_order,
                       routed_static_fused_drop_last)
@@ -84,6 +85,8 @@ class DecodeStep:
             raise ValueError("fused_kda_conv and fused_moe_combine are Triton kernels: they need a CUDA model "
                              "(or TRITON_INTERPRET=1)")
         self.combine_fused = False    # whether the last traced forward ran the fused combine (its event)
+        # an observer's digests taken inside the step (step_digests.py); set by the engine, None: off
+        self.digests: StepDigests | None = None
 
     # ---- capturability -------------------------------------------------------------------
     def capturable(self) -> str | None:
@@ -126,6 +129,14 @@ class DecodeStep:
             logits = OPS.linear(h, self.model.lm_head.weight).float()           # [Bp, V]
         sampled = torch.stack([logits.argmax(-1), torch.isfinite(logits).all(-1).long()])
         return logits, sampled
+
+    @torch.no_grad()
+    def forward_words(self, meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """forward(meta) and the observer's words of the step's rows and states: (logits, sampled,
+        words [len(digests.layout), Bp, W]), all of it one capturable sequence of launches."""
+        assert self.digests is not None, "forward_words needs the engine's step digests"
+        logits, sampled = self.forward(meta)
+        return logits, sampled, self.digests.words(logits, meta[ROW_KDA_SLOT])
 
     def _mixer(self, layer, x: torch.Tensor) -> torch.Tensor:
         pos, kda_slot, table_slot = self._batch

@@ -2,7 +2,7 @@
 
     fast = FastDecoder(model, store, opts)       # engine option batched_decode (cuda_graphs: replayed)
     decodes, rest = fast.split(plan)
-    rows, tokens = fast.run(decodes, keep_rows=...)     # then `rest` through model.forward_batch
+    out = fast.run(decodes, keep_rows=...)    # out.rows, out.tokens, out.words; `rest` through forward_batch
 
 The fast path takes a step's plain one-token decodes: one pending token, the last one sampled,
 past the prompt, no speculative drafts, no seeded recompute jump, no probe attached to the
@@ -12,7 +12,8 @@ step into two changes no bits. The step itself writes the new MLA rows and KDA s
 pools; the engine then does the commit bookkeeping (store.commit_written).
 
 Per step on the host: the block tables of the rows whose block list changed, one [4, Bp] input
-tensor, and one [2, Bp] read-back (tokens and finiteness): the only host sync of the step.
+tensor, and one [2, Bp] read-back (tokens and finiteness): the only host sync of the step. With an
+observer's digests in the step (step_digests.py), one more small device copy: the step's words.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ...errors import K3Error
-from .batch import build_meta, padded_size
+from .batch import ROW_KDA_SLOT, build_meta, padded_size
 from .decode_step import DecodeStep
 from .graphs import GraphRunner
 from .kda_step import value_tiles
@@ -37,6 +38,19 @@ class FastStats:
     graph_replays: int = 0
     graph_captures: int = 0
     eager_reason: str | None = None    # why cuda_graphs ran eagerly (None: it did not)
+    digest_steps: int = 0              # steps whose observer digests were taken inside the step
+    digests_off: str | None = None     # why the in-step digests were turned off (None: they were not)
+
+
+@dataclass
+class FastResult:
+    """One fast step for B requests: their logits rows [B, V] fp32 on the device, per request its
+    greedy token (None: the engine's sampler takes the row), and the observer's words of the step
+    [entries, B, W] (a copy; None when no digests rode in the step)."""
+
+    rows: torch.Tensor
+    tokens: list[int | None]
+    words: torch.Tensor | None = None
 
 
 class FastDecoder:
@@ -51,6 +65,7 @@ class FastDecoder:
         self.stats = FastStats()
         self.events = store.events                      # the engine's path events (events.py)
         self._pin = model.device.type == "cuda"
+        self._eager_checked = False                     # the eager step's first words checked
 
     def split(self, plan) -> tuple[list, list]:
         """plan -> (the plain one-token decodes this path runs, everything else). Nothing is taken
@@ -65,10 +80,10 @@ class FastDecoder:
             (fast if plain else rest).append((req, n))
         return fast, rest
 
-    def run(self, plan, *, keep_rows: bool) -> tuple[torch.Tensor, list[int | None]]:
-        """Decode one token for every request of `plan` -> (logits rows [B, V] fp32 on the device,
-        per request its greedy token, or None where the request samples or its row is not finite:
-        the engine's sampler then handles that row)."""
+    def run(self, plan, *, keep_rows: bool) -> FastResult:
+        """Decode one token for every request of `plan` -> its FastResult (a token is None where the
+        request samples or its row is not finite: the engine's sampler then handles that row).
+        `keep_rows`: the rows outlive the step (an observer reads them), so a replay's are copied."""
         reqs = [req for req, _ in plan]
         tables = self.step.tables
         for req in reqs:
@@ -77,10 +92,12 @@ class FastDecoder:
         batch = build_meta([req.tokens[-1] for req in reqs], [req.num_computed for req in reqs],
                            [req.slot for req in reqs], self.step.spare_slot, size, pin=self._pin,
                            pad_shares_table=self.pad_shares_table)
-        logits, sampled = self._forward(batch.meta)
+        logits, sampled, words = self._forward(batch.meta)
+        if words is not None:
+            words = words[:, :len(reqs)].clone()                    # the next replay overwrites them
         flags = sampled[:, :len(reqs)].tolist()                     # the step's one host sync
         rows = logits[:len(reqs)]
-        if keep_rows and self.graphs is not None:
+        if keep_rows and self.graphs is not None and words is None:
             rows = rows.clone()                                     # the next replay overwrites it
         tokens = [tok if ok and req.params.temperature == 0 and req.sampler.takes_device_token else None
                   for req, tok, ok in zip(reqs, flags[0], flags[1])]
@@ -93,15 +110,39 @@ class FastDecoder:
             self.events.fire("fast_kda_value_tiles", len(reqs))
         if size > len(reqs):
             self.events.fire("fast_padded_rows", size - len(reqs))
+        if words is not None:
+            s.digest_steps += 1
+            self.events.fire("fast_step_digests", len(reqs))
         if self.step.fused_conv and "kda" in self.model.config.layer_kinds:
             self.events.fire("fast_fused_conv_rows", len(reqs))
         if self.step.combine_fused and self.model.config.num_experts:   # set by the (captured) forward
             self.events.fire("fast_fused_combine_rows", len(reqs))
             if self.model.config.num_experts_per_token > 2:
                 self.events.fire("fast_fused_combine_three_plus", len(reqs))
-        return rows, tokens
+        return FastResult(rows, tokens, words)
 
-    def _forward(self, meta_host: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, meta_host: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(logits, sampled, words or None). The in-step digests' first words (of each graph, and of
+        the eager step) are checked against the digester's other form; a failure or a difference
+        turns them off and this step's observers get their calls after the step."""
+        digests = self.step.digests
+        try:
+            out, first = self._forward_once(meta_host)
+        except Exception as exc:   # noqa: BLE001 - only when the digests ride in the step; re-raised else
+            if digests is None:
+                raise
+            self._digests_off(f"the step with its digests failed: {type(exc).__name__}: {exc}"[:300])
+            out, first = self._forward_once(meta_host)
+        if digests is not None and out[2] is not None and first:
+            why = digests.check(out[0], meta_host[ROW_KDA_SLOT].to(self.model.device), out[2])
+            if why is not None:
+                self._digests_off(why)
+                return out[0], out[1], None
+        return out
+
+    def _forward_once(self, meta_host: torch.Tensor):
+        """((logits, sampled, words or None), whether these are the first words of their graph or of
+        the eager step)."""
         if self.graphs is not None:
             reason = self.step.capturable()
             if reason is None:
@@ -109,6 +150,18 @@ class FastDecoder:
                 self.events.fire("graph_replay")
                 self.stats.graph_replays = self.graphs.replays
                 self.stats.graph_captures = self.graphs.captures
-                return out
+                return out, self.graphs.first_replay
             self.stats.eager_reason = reason
-        return self.step.forward(meta_host.to(self.model.device, non_blocking=True))
+        meta = meta_host.to(self.model.device, non_blocking=True)
+        if self.step.digests is None:
+            return (*self.step.forward(meta), None), False
+        first = not self._eager_checked
+        self._eager_checked = True
+        return self.step.forward_words(meta), first
+
+    def _digests_off(self, why: str) -> None:
+        digests = self.step.digests
+        if digests is not None:
+            digests.turn_off(why)
+        self.step.digests = None                 # graphs are keyed by it: new ones are captured plain
+        self.stats.digests_off = why

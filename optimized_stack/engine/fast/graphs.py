@@ -5,8 +5,9 @@ every row a padding row (they touch only the spare slot and block; Triton compil
 its kernels), then once under torch.cuda.graph into a memory pool shared by all sizes. A replay
 copies the step's [4, Bp] inputs into the graph's static input tensor and replays; the outputs
 are the graph's static tensors (valid until the next replay). A graph is kept per (size, op-table
-fingerprint): under other ops or GPU-profile choices the step would dispatch differently, so it
-is captured again.
+fingerprint, whether an observer's digests ride in the step): under other ops or GPU-profile choices
+the step would dispatch differently, so it is captured again. With the step's digests on
+(step_digests.py) the graph also holds their launches and a static words tensor.
 
 Exact by construction when replay == eager: the same kernels on the same shapes and the same
 buffers (the property tests/test_fast_gpu.py checks bit for bit; on the CPU the padding side of
@@ -28,10 +29,11 @@ class _Graph:
     meta: torch.Tensor               # [4, Bp] int64, the static input
     logits: torch.Tensor             # [Bp, V] fp32, static outputs
     sampled: torch.Tensor            # [2, Bp] int64
+    words: torch.Tensor | None       # [entries, Bp, W] int64: the observer's words of the step, or None
     replays: int = 0
 
 
-Outputs = tuple[torch.Tensor, torch.Tensor]
+Outputs = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]
 
 
 class CudaCapture:
@@ -69,28 +71,35 @@ class GraphRunner:
         self.graphs: dict[tuple, _Graph] = {}
         self.captures = 0
         self.replays = 0
+        self.first_replay = False               # whether the last run was its graph's first replay
 
     def _capture(self, size: int, key: tuple) -> _Graph:
         from .batch import build_meta
         device = self.step.model.device
         # the static input starts as all padding rows: warm-up and capture touch only the spare slot
         meta = build_meta([], [], [], self.step.spare_slot, size, pin=False).meta.to(device)
-        replay, (logits, sampled) = self.capture(lambda: self.step.forward(meta), device)
+        if self.step.digests is not None:
+            fn = lambda: self.step.forward_words(meta)                        # noqa: E731
+        else:
+            fn = lambda: (*self.step.forward(meta), None)                     # noqa: E731
+        replay, (logits, sampled, words) = self.capture(fn, device)
         self.captures += 1
-        entry = _Graph(replay, meta, logits, sampled)
+        entry = _Graph(replay, meta, logits, sampled, words)
         self.graphs[key] = entry
         return entry
 
     def run(self, meta_host: torch.Tensor) -> Outputs:
-        """meta_host [4, Bp] int64 (pinned) -> (logits [Bp, V], sampled [2, Bp]) of the replay."""
+        """meta_host [4, Bp] int64 (pinned) -> (logits [Bp, V], sampled [2, Bp], words or None) of the
+        replay; `first_replay` says whether it was this graph's first (its words are checked then)."""
         size = meta_host.shape[1]
-        key = (size, op_fingerprint())
+        key = (size, op_fingerprint(), self.step.digests is not None)
         entry = self.graphs.get(key) or self._capture(size, key)
         if self.stale_input and entry.replays:
             entry.meta[1:].copy_(meta_host[1:], non_blocking=True)      # the fault: ids left stale
         else:
             entry.meta.copy_(meta_host, non_blocking=True)
         entry.replay()
+        self.first_replay = entry.replays == 0
         entry.replays += 1
         self.replays += 1
-        return entry.logits, entry.sampled
+        return entry.logits, entry.sampled, entry.words
