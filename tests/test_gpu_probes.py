@@ -23,3 +23,8 @@ def test_scaled_mm_probe_answers_every_cell_on_the_cpu(tmp_path):
 def test_unknown_probe_is_one_line_and_exit_2(tmp_path, capsys):
     assert gpu_probes.main(["--out", str(tmp_path), "--only", "nope"]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_router_tiles_probe_says_it_needs_cuda(tmp_path):
+    assert gpu_probes.main(["--out", str(tmp_path), "--only", "router_tiles"]) == 0
+    assert json.loads((tmp_path / "gpu_probes.json").read_text())["router_tiles"] == {"skipped": "needs CUDA"}

@@ -40,6 +40,33 @@ def test_rows_are_batch_invariant(dtype):
     assert not bad, f"a row's bits depend on the batch: {bad}"
 
 
+def test_small_n_weights_take_their_tiles_and_stay_batch_invariant():
+    """A router-sized fp32 weight (N <= SMALL_N) takes the small tile, chosen by N alone; its rows are
+    batch-invariant (the property), and the fp64 product holds. The control beside it: the same
+    weight one row past SMALL_N takes the default tile."""
+    from optimized_stack.kernels.gemm import invariant as inv
+    assert inv.tiles_for(torch.float32, 32) == inv.SMALL_N_TILES[torch.float32]
+    assert inv.tiles_for(torch.float32, inv.SMALL_N + 1) == inv.TILES[torch.float32]
+    assert inv.tiles_for(torch.bfloat16, 32) == inv.TILES[torch.bfloat16]
+    x, w = _inputs(40, 160, 32, torch.float32, seed=3)
+    bad = row_mismatches(lambda t: _matmul()(t, w), x)
+    assert not bad, f"a row's bits depend on the batch under the small-N tile: {bad}"
+    err = max_rel(_matmul()(x, w), x.double().cpu() @ w.double().cpu().T)
+    assert err <= tol(torch.float32), f"max rel error {err:.2e}"
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the FMA-chain argument is CUDA's: the interpreter's dot is numpy's")
+@pytest.mark.parametrize("m", [1, 64, 2112])
+def test_on_the_gpu_the_small_n_tile_gives_the_default_tiles_bits(m):
+    """On CUDA an IEEE fp32 dot is one FMA chain per element in ascending K, so the tile does not move
+    a bit: the router's reference bits are the same under both tiles (NOTES.md 2026-12-07)."""
+    from optimized_stack.kernels.gemm import invariant as inv
+    x, w = _inputs(m, 768, 32, torch.float32, seed=4)
+    small = _matmul()(x, w)
+    default = _matmul()(x, w, _tiles=inv.TILES[torch.float32])
+    assert torch.equal(small, default), f"{int((small != default).sum())} of {small.numel()} elements differ"
+
+
 def split_k_by_rows(matmul, t, w):
     """Split-K below 8 rows (two half-K GEMMs added), as a small-M heuristic does: the sum's
     grouping changes with the row count on every backend. (A BLOCK_K that follows M changed the

@@ -1,5 +1,5 @@
-"""Two questions the fourth H200 release run left (golden/reports/gpu-2026-12-02-h200-release-4/),
-each answered in seconds on the device before anything is changed:
+"""Questions answered in seconds on the device before (or right after) something is changed. The
+first two were left by the fourth H200 release run (golden/reports/gpu-2026-12-02-h200-release-4/):
 
 1. `scaled_mm`: which shapes and scalings torch._scaled_mm accepts there. mla_fp8_prefill_scaled
    raised CUBLAS_STATUS_NOT_SUPPORTED for row-wise e4m3 scales with a bf16 output, even at
@@ -14,10 +14,15 @@ each answered in seconds on the device before anything is changed:
    in TF32 unless TRITON_F32_DEFAULT=ieee. Measured: chunk_kda and fused_recurrent_kda against a
    float64 recurrence at K3's head dims (K = V = 128), in a child process per TRITON_F32_DEFAULT
    setting (Triton reads it when it compiles, so one process cannot hold both).
+3. `router_tiles` (2026-12-07): the fp32 router GEMM ([M, 768] x [32, 768], twelve a k3-small decode
+   step) under the batch-invariant Triton GEMM's default tile (61 us at every M on the H200) and under
+   the small-N tiles (kernels/gemm/invariant.py SMALL_N_TILES, and candidates beside it): microseconds a
+   call (CUDA events, median of 5 rounds of 100 calls), and whether each candidate's output is bitwise
+   the default tile's (the FMA-chain argument that makes the change bit-neutral on CUDA).
 
-    python -m k3verify.perf.gpu_probes --out DIR [--only scaled_mm,kda_fp32]
+    python -m k3verify.perf.gpu_probes --out DIR [--only scaled_mm,kda_fp32,router_tiles]
 Writes DIR/gpu_probes.json (rewritten after each probe). The scaled_mm probe also runs on the CPU
-(torch's CPU _scaled_mm takes any shape), kda_fp32 needs CUDA and fla.
+(torch's CPU _scaled_mm takes any shape), kda_fp32 needs CUDA and fla, router_tiles needs CUDA.
 """
 from __future__ import annotations
 
@@ -32,7 +37,39 @@ import torch
 
 from ..io import atomic_write_text
 
-PROBES = ("scaled_mm", "kda_fp32")
+PROBES = ("scaled_mm", "kda_fp32", "router_tiles")
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) the router probe tries beside the default and SMALL_N_TILES
+ROUTER_CANDIDATES = ((16, 32, 32, 4, 2), (16, 16, 64, 2, 2), (16, 16, 128, 4, 2), (32, 32, 32, 4, 2))
+
+
+def router_tile_cells(ms=(64, 256, 2112), k: int = 768, n: int = 32) -> list[dict]:
+    """Per M and tile: us a call and whether the output is bitwise the default tile's."""
+    from optimized_stack.kernels.gemm import invariant as inv
+    tiles = [("default", inv.TILES[torch.float32]), ("small_n", inv.SMALL_N_TILES[torch.float32])]
+    tiles += [(f"candidate{i}", t) for i, t in enumerate(ROUTER_CANDIDATES)]
+    gen = torch.Generator().manual_seed(0)
+    w = (torch.randn(n, k, generator=gen) * k ** -0.5).cuda()
+    out = []
+    for m in ms:
+        x = torch.randn(m, k, generator=gen).cuda()
+        ref = inv.matmul(x, w, _tiles=inv.TILES[torch.float32])
+        for name, t in tiles:
+            try:
+                y = inv.matmul(x, w, _tiles=t)                    # compile and warm
+                rounds = []
+                for _ in range(5):
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a.record()
+                    for _ in range(100):
+                        inv.matmul(x, w, _tiles=t)
+                    b.record()
+                    b.synchronize()
+                    rounds.append(a.elapsed_time(b) * 10.0)      # ms per 100 calls -> us a call
+                out.append({"m": m, "tile": name, "config": list(t), "us": sorted(rounds)[2],
+                            "bitwise_default": bool(torch.equal(y, ref))})
+            except Exception as exc:   # noqa: BLE001 - a tile Triton cannot build is a finding, not a crash
+                out.append({"m": m, "tile": name, "config": list(t), "error": f"{type(exc).__name__}: {exc}"[:300]})
+    return out
 
 
 def scaled_mm_cells(device: str) -> list[dict]:
@@ -142,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         atomic_write_text(args.out / "gpu_probes.json", json.dumps(doc, indent=1))
     if "scaled_mm" in only:
         doc["scaled_mm"] = scaled_mm_cells(device)
+        save()
+    if "router_tiles" in only:
+        doc["router_tiles"] = router_tile_cells() if device == "cuda" else {"skipped": "needs CUDA"}
         save()
     if "kda_fp32" in only:
         if device != "cuda":

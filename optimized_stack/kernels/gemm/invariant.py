@@ -2,8 +2,9 @@
 
 Why a row's bits cannot depend on M (the number of rows in the call) or on the row's place
 in it:
-- one tile config per input dtype (TILES), fixed before M is known and never autotuned, so
-  the same kernel computes every output tile whatever the batch;
+- one tile config per input dtype and weight (TILES, or SMALL_N_TILES for a weight of few rows),
+  fixed before M is known and never autotuned, so the same kernel computes every output tile
+  whatever the batch;
 - each output tile reduces over K in the same BLOCK_K steps, in ascending order, into one
   fp32 accumulator: no split-K, no stream-K, no atomics;
 - an element of the tile is computed by the same instruction sequence whatever row of the
@@ -41,6 +42,26 @@ TILES: dict[torch.dtype, tuple[int, int, int, int, int]] = {
     torch.float16: (64, 128, 64, 4, 3),
     torch.float32: (32, 64, 32, 4, 2),
 }
+# fp32 weights of at most SMALL_N rows (the MoE router: N = the number of experts). With the tile
+# above the grid is cdiv(M, 32) x 1 programs and one program's serial K loop sets the time: 61 us
+# at M = 64, 256 and 2,112 alike on the H200, twelve a k3-small decode step, 0.73 of its 5.07 device
+# ms (NOTES.md 2026-12-02, step_kernels.txt). A 16 x 16 tile gives a program 8x less work and 4-8x
+# the programs. Chosen by the weight's shape, never by M, so rows stay batch-invariant; and on CUDA
+# Triton's IEEE fp32 dot is one FMA chain per output element in ascending K (NOTES.md 2026-12-01: the
+# K grouping did not change the bits on the H200), so an element's bits do not depend on the tile
+# at all there (tests/test_triton_gemm.py checks it on a GPU; the interpreter's numpy dot is not
+# that chain, so CI checks only the invariance).
+SMALL_N = 64
+SMALL_N_TILES: dict[torch.dtype, tuple[int, int, int, int, int]] = {
+    torch.float32: (16, 16, 32, 4, 2),
+}
+
+
+def tiles_for(dtype: torch.dtype, n: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for x of `dtype` times a weight of n rows."""
+    if n <= SMALL_N and dtype in SMALL_N_TILES:
+        return SMALL_N_TILES[dtype]
+    return TILES[dtype]
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -75,12 +96,14 @@ def _matmul_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym
              mask=row_ok[:, None] & col_ok[None, :])
 
 
-def matmul(x: torch.Tensor, w: torch.Tensor, *, _block_k_by_rows: bool = False) -> torch.Tensor:
+def matmul(x: torch.Tensor, w: torch.Tensor, *, _block_k_by_rows: bool = False,
+           _tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """x [M, K] @ w [N, K].T -> [M, N] in x's dtype; fp32 accumulation, fixed tiles.
 
     `_block_k_by_rows` is the negative control only: BLOCK_K follows M (16 for M < 8, else
     the fixed one), the kind of per-shape choice an autotuner makes; it changes the order
-    in which a row's K products are summed and must be caught by the invariance test."""
+    in which a row's K products are summed and must be caught by the invariance test.
+    `_tiles` overrides the tile config (the GPU probe that times and compares tile choices)."""
     if x.dim() != 2:
         fail(f"x must be 2-D [M, K], got shape {list(x.shape)}")
     if w.dim() != 2:
@@ -100,7 +123,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, *, _block_k_by_rows: bool = False) 
     if k == 0:
         return y.zero_()
     x, w = x.contiguous(), w.contiguous()
-    bm, bn, bk, warps, stages = TILES[x.dtype]
+    bm, bn, bk, warps, stages = _tiles or tiles_for(x.dtype, n)
     if _block_k_by_rows and m < 8:
         bk = 16
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
