@@ -7,12 +7,15 @@
 # after copying this call's triton-cache.tar.gz to .gpu-cache/.
 # 1. fla's KDA kernels for every head size the release suite runs (k3-mini 16:4, golden/k3-dims 128:2,
 #    k3-small 128:8), in parallel (~80-150 s on a fresh machine);
-# 2. the GPU tests (`pytest -m gpu`: the reference on CUDA, the batched capture; and the device digest
-#    kernel's tests against its torch form), which also compile this repository's own Triton kernels;
+# 2. the GPU tests (`pytest -m gpu`: the reference on CUDA, the batched capture, the in-step digests;
+#    and the device digest kernel's and the GEMM's tests), which also compile this repository's own
+#    Triton kernels; then the router GEMM's tile probe (perf/gpu_probes.py router_tiles, seconds);
 # 3. the capture's overhead on the counted engine at B = 16, then 64 (perf/capture_bench.py, the
 #    device digests: issue 27's <= 5% goal), while the call has time. CAPTURE_B (default "16 64") picks
 #    the batches; at the batches in PER_REQUEST_B (default 16) the bench also times the capture through
-#    the per-request observer calls in the same process (the form before session 16's batched calls).
+#    the per-request observer calls in the same process (the form before session 16's batched calls);
+#    at those in AFTER_STEP_B (default 64) it also times the capture with its calls after the step
+#    (--after-step: the form before the in-step digests of 2026-12-07) beside the default, in-step one.
 #    TESTS=0 skips step 2 (a call whose kernels the carried .gpu-cache already holds).
 # 4. PREFILL_PROFILE=32768: the prefill A/B and kernel-family profile against transformers (below).
 # Results in $OUT (8 files at most): logs.tar (env, warm, pytest and bench logs, the bench JSONs) and
@@ -36,22 +39,41 @@ since "fla warm"
 if [ "${TESTS:-1}" = 1 ]; then
   # the digest kernel's tests carry no gpu marker (they run under the interpreter in CI): all of them here
   timeout "$(limit 200)" python3 -m pytest -m gpu tests/test_gpu_reference.py tests/test_capture_batched.py \
+    tests/test_step_digests.py \
     -q -p no:cacheprovider -rs > "$OUT/logs/pytest-gpu.log" 2>&1
   since "pytest -m gpu rc=$?"
   tail -3 "$OUT/logs/pytest-gpu.log"
-  timeout "$(limit 120)" python3 -m pytest tests/test_triton_digest.py -q -p no:cacheprovider -rs \
+  timeout "$(limit 150)" python3 -m pytest tests/test_triton_digest.py tests/test_triton_step_digests.py \
+    tests/test_triton_gemm.py -q -p no:cacheprovider -rs \
     > "$OUT/logs/pytest-digest-kernel.log" 2>&1
   since "pytest digest kernel rc=$?"
   tail -3 "$OUT/logs/pytest-digest-kernel.log"
 fi
+# the router GEMM's tiles (perf/gpu_probes.py router_tiles): us a call per tile, bitwise the default's
+timeout "$(limit 90)" python3 -m k3verify.perf.gpu_probes --out "$OUT/logs/probes" --only router_tiles \
+  > "$OUT/logs/probes.log" 2>&1
+since "router tiles probe rc=$?"
 for b in ${CAPTURE_B-16 64}; do
   [ "$(limit 60)" -lt 60 ] && { since "capture bench B=$b: no time left"; break; }
   extra=(); [[ " ${PER_REQUEST_B-16} " == *" $b "* ]] && extra=(--per-request)
+  [[ " ${AFTER_STEP_B-64} " == *" $b "* ]] && extra+=(--after-step)
   timeout "$(limit ${BENCH_S:-200})" python3 -m k3verify.perf.capture_bench --out "$OUT/logs/capture-b$b" \
     --model k3-small --batch "$b" --new-tokens 32 --repeats 6 "${extra[@]}" > "$OUT/logs/capture-b$b.log" 2>&1
   since "capture bench B=$b rc=$?"
   tail -2 "$OUT/logs/capture-b$b.log"
 done
+# STEP_SITES=1 (default off): the counted decode step at B = 64 profiled by the model line that launched
+# each kernel (perf/step_profile.py --sites: where the step's ~1,500 launches and its casts come from).
+if [ "${STEP_SITES:-0}" = 1 ]; then
+  if [ "$(limit 60)" -lt 60 ]; then
+    since "step sites: no time left"
+  else
+    timeout "$(limit 150)" python3 -m k3verify.perf.step_profile --out "$OUT/logs/step" --model k3-small \
+      --batches 64 --stacks "+moe_grouped_static+fused_conv" --repeats 10 --sites > "$OUT/logs/step.log" 2>&1
+    since "step sites rc=$?"
+    head -25 "$OUT/logs/step/step_sites.txt" 2>/dev/null | cut -c1-160
+  fi
+fi
 # 4. PREFILL_PROFILE=N (default off): perf/prefill_ab at N tokens, the phase set against the reference
 #    and transformers (--peer), then --profile N (device ms by kernel family) while the call has time.
 #    PREFILL_SETS (default "phase;phase+gemm_per_shape").

@@ -60,3 +60,24 @@ def test_prefill_cell_prefills_the_whole_prompt_in_one_step(mini):
 
 def test_the_sorted_stack_is_the_fused_stack_plus_the_sorted_prefill_experts():
     assert sp.STACKS["+sorted"] == sp.STACKS["+fused"] + ("prefill_sorted_experts",)
+
+
+def test_launch_sites_sum_device_time_by_the_model_line():
+    cpu = torch.autograd.DeviceType.CPU
+    line = "/x/optimized_stack/model/moe.py(53): route"
+    events = [SimpleNamespace(device_type=cpu, device_time_total=2000.0, name="aten::_to_copy",
+                              stack=[line, "/x/optimized_stack/engine/fast/decode_step.py(130): forward"])] * 3 + [
+        SimpleNamespace(device_type=cpu, device_time_total=500.0, name="aten::mul",
+                        stack=["/x/optimized_stack/model/kda.py(180): gate"]),
+        # controls: no device time, or launched from outside the model, count nowhere
+        SimpleNamespace(device_type=cpu, device_time_total=0.0, name="aten::add", stack=[line]),
+        SimpleNamespace(device_type=cpu, device_time_total=900.0, name="aten::add", stack=["/x/k3verify/a.py(1): f"])]
+    rows = sp.launch_sites(SimpleNamespace(events=lambda: events)).splitlines()
+    assert len(rows) == 2
+    assert rows[0].split() == ["6.000", "ms", "3", "model/moe.py(53)", "aten::_to_copy"]
+    assert rows[1].split()[:4] == ["0.500", "ms", "1", "model/kda.py(180)"]
+
+
+def test_decode_cell_with_sites_writes_a_section(mini):
+    sp.profile_cell(mini, BATCHED, Donor.prefill(mini, 40), 2, 2, [], sites := [])
+    assert len(sites) == 1 and "device ms by the model line" in sites[0]

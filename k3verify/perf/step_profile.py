@@ -11,7 +11,10 @@ ms = step - replay, device activities per eager step and their device ms) and st
 (fast_bench_setup.seeded_engine), as the benchmark's are. --prefill N profiles one engine step that
 prefills an N-token prompt on each of --prefill-stacks, side by side (prefill runs the reference
 forward, or with +sorted its routed experts through kernels/moe/sorted.py: the fast step only takes
-plain decodes), the step that dominates GSM8K's five-shot prompts on the GPU.
+plain decodes), the step that dominates GSM8K's five-shot prompts on the GPU. --sites adds, per stack
+and batch, the eager step's device time by the model line that launched it (torch.profiler with
+stacks, the innermost optimized_stack frame): step_sites.txt, the pointer to which casts and copies
+a fused kernel would remove (2026-12-02: copies and casts were ~28% of the step's device time).
 """
 from __future__ import annotations
 
@@ -63,7 +66,27 @@ def _ms(fn, repeats: int) -> float:
     return (time.perf_counter() - t0) / repeats * 1e3
 
 
-def profile_cell(model, names, donor: Donor, batch: int, repeats: int, kernels: list[str]) -> dict:
+def launch_sites(prof, top: int = 40) -> str:
+    """The profiled device time by the innermost optimized_stack frame of the op that launched it:
+    'ms  launches  file:line  op' rows, most device time first (a CPU run has no device time: empty)."""
+    by: dict[tuple[str, str], list[float]] = {}
+    for e in prof.events():
+        dev = getattr(e, "device_time_total", 0.0) or 0.0
+        if not dev or e.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        frames = [f for f in (e.stack or []) if "optimized_stack/" in f]
+        if not frames:
+            continue
+        site = frames[0].split("optimized_stack/", 1)[1].split(": ")[0].strip()      # file.py(line)
+        row = by.setdefault((site, e.name), [0.0, 0])
+        row[0] += dev / 1e3
+        row[1] += 1
+    rows = sorted(by.items(), key=lambda kv: -kv[1][0])[:top]
+    return "\n".join(f"{ms:8.3f} ms {n:6d}  {site}  {name}" for (site, name), (ms, n) in rows)
+
+
+def profile_cell(model, names, donor: Donor, batch: int, repeats: int, kernels: list[str],
+                 sites: list[str] | None = None) -> dict:
     context = len(donor.ids)
     new = 3 * repeats + 8
     with toggles.applied(list(names)) as ap:
@@ -91,6 +114,12 @@ def profile_cell(model, names, donor: Donor, batch: int, repeats: int, kernels: 
         kernels.append(f"==== {'+'.join(names)} B={batch} ctx={context}: eager step x3 ====\n"
                        + prof.key_averages().table(sort_by="cuda_time_total", row_limit=30))
         acts, act_ms = device_activities(prof, 3)
+        if sites is not None:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof_s:
+                fast.step.forward(dev_meta)
+                sync()
+            sites.append(f"==== {'+'.join(names)} B={batch} ctx={context}: one eager step, device ms by the "
+                         f"model line that launched it ====\n" + launch_sites(prof_s))
         fired = {k: v for k, v in eng.events.items() if k.startswith("fast_")}
     del eng
     torch.cuda.empty_cache()
@@ -147,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill", default="", help="prompt lengths whose prefill step to profile (comma list)")
     ap.add_argument("--prefill-stacks", default="+fused,+sorted", help="the stacks whose prefill step is "
                     "profiled, side by side (default: the fused stack, and it with the sorted prefill experts)")
+    ap.add_argument("--sites", action="store_true", help="also the eager step's device time by launching "
+                    "model line (step_sites.txt)")
     args = ap.parse_args(argv)
     stacks = [x for x in args.stacks.split(",") if x]
     prefill_stacks = [x for x in args.prefill_stacks.split(",") if x]
@@ -161,15 +192,18 @@ def main(argv: list[str] | None = None) -> int:
     model = load_model(args.model, device="cuda", dtype=torch.bfloat16)
     donor = Donor.prefill(model, args.context)
     cells, prefills, kernels = [], [], []
+    sites: list[str] | None = [] if args.sites else None
 
     def save() -> None:                                 # after every cell: the call's limit is a hard kill
         atomic_write(args.out / "step_profile.json",
                      json.dumps({"model": args.model, "cells": cells, "prefill": prefills}, indent=1))
         atomic_write(args.out / "step_kernels.txt", "\n\n".join(kernels))
+        if sites is not None:
+            atomic_write(args.out / "step_sites.txt", "\n\n".join(sites))
 
     for b in (int(x) for x in args.batches.split(",") if x):
         for stack in stacks:                            # stacks side by side at each batch
-            cell = {"stack": stack, **profile_cell(model, STACKS[stack], donor, b, args.repeats, kernels)}
+            cell = {"stack": stack, **profile_cell(model, STACKS[stack], donor, b, args.repeats, kernels, sites)}
             print(json.dumps(cell), flush=True)
             cells.append(cell)
             save()
