@@ -103,15 +103,15 @@ def test_observers_that_disagree_get_the_calls_after_the_step(model, m31):
 class WrongWords(device_digest.StepDigester):
     """Words off by one in one lane of one row: the first-words check must catch it."""
 
-    def words(self, ts):
-        out = super().words(ts)
+    def words(self, ts, index=None):
+        out = super().words(ts, index)
         out[1] = out[1].clone()
         out[1][0, 0] += 1
         return out
 
 
 class Raises(device_digest.StepDigester):
-    def words(self, ts):
+    def words(self, ts, index=None):
         raise RuntimeError("no kernel here")
 
 
@@ -128,14 +128,29 @@ def test_a_bad_digester_is_turned_off_and_the_capture_stays_right(model, m31, mo
     assert cap.to_json() == after.to_json()
 
 
-def test_a_wrong_gather_is_seen_by_the_comparison(model, m31, monkeypatch):
-    """The control: the step digests the rows of another slot (the check shares the gather, so only the
-    comparison with the after-step capture can see it, and it must)."""
-    real = step_digests.StepDigests.tensors
+def shift_rows(monkeypatch, method: str) -> None:
+    """StepDigests.<method> reads the rows of the next slot over (the seeded fault of the two tests below)."""
+    real = getattr(step_digests.StepDigests, method)
+    monkeypatch.setattr(step_digests.StepDigests, method,
+                        lambda self, logits, kda_slot, *a: real(self, logits, kda_slot.roll(1), *a))
 
-    def shifted(self, logits, kda_slot):
-        return real(self, logits, kda_slot.roll(1))
-    monkeypatch.setattr(step_digests.StepDigests, "tensors", shifted)
+
+def test_words_of_the_wrong_rows_are_caught_by_the_first_words_check(model, m31, monkeypatch):
+    """The step's words read the pool at the wrong slots; the check gathers the right ones: the
+    in-step digests are turned off, and the capture is the after-step one."""
+    shift_rows(monkeypatch, "words")
+    cap, after = CountingCapture(), CountingCapture(in_step=False)
+    eng = run(model, [cap])
+    run(model, [after])
+    assert "differ from the torch form" in (eng.fast.stats.digests_off or "")
+    assert cap.to_json() == after.to_json()
+
+
+def test_a_wrong_gather_is_seen_by_the_comparison(model, m31, monkeypatch):
+    """The control: the step's words and the check's tensors both read another slot's rows (the check
+    agrees with the words), so only the comparison with the after-step capture can see it, and it must."""
+    shift_rows(monkeypatch, "words")
+    shift_rows(monkeypatch, "tensors")
     inside, after = CountingCapture(), CountingCapture(in_step=False)
     run(model, [inside])
     run(model, [after])

@@ -121,6 +121,24 @@ def test_negative_control_a_changed_element_changes_only_its_tensors_row():
     assert changed == [(5, 1)]
 
 
+def test_indexed_rows_read_in_place_are_the_gathered_rows_words():
+    """summary_words_many(ts, index): a pool's rows at given slots (repeats and any order) read where they
+    lie give the words of the gathered copy; beside an unindexed tensor of the same kind (its own launch).
+    The control: the next slot over gives other words."""
+    from k3verify.compare.digest_kernel import summary_words_many
+    g = torch.Generator().manual_seed(7)
+    pool = torch.randn(6, 3, 5, 4, generator=g).to(DEVICE)          # fp32 [slots, H, K, V]
+    conv = torch.randn(6, 3, 8, generator=g).to(torch.bfloat16).to(DEVICE)
+    logits = torch.randn(4, 33, generator=g).to(DEVICE)
+    slots = torch.tensor([4, 0, 4, 2], device=DEVICE)
+    got = [w.cpu() for w in summary_words_many([logits, pool, conv], [None, slots, slots])]
+    want = [_torch(logits, rows=True), _torch(pool.index_select(0, slots), rows=True),
+            _torch(conv.index_select(0, slots), rows=True)]
+    assert all(_same(a, b) for a, b in zip(got, want))
+    shifted = summary_words_many([pool], [(slots + 1) % 6])[0].cpu()
+    assert not any(_same(shifted[r:r + 1], want[1][r:r + 1]) for r in range(4)), "the index was not read"
+
+
 def test_a_capture_of_batched_states_reads_as_the_per_request_calls(monkeypatch):
     """Capture.on_kda_states (the grouped digests) and on_kda_state per request record the same items."""
     from types import SimpleNamespace
@@ -146,12 +164,13 @@ def test_a_capture_of_batched_states_reads_as_the_per_request_calls(monkeypatch)
 
 def test_the_benchs_digest_cost_runs_every_form_and_finds_their_words_equal():
     """perf/capture_bench.digest_cost's arms (the per-tensor kernel, the form before session 17, the
-    grouped form) on k3-mini's step shapes: the same words, so its A/B times the same work."""
+    grouped form, the fast step's in-place form) on k3-mini's step shapes: the same words, so its A/B
+    times the same work."""
     from k3verify.perf.capture_bench import digest_cost
     from optimized_stack import load_model
     dc = digest_cost(load_model("k3-mini"), batch=2, reps=1)
     assert dc["forms_same_words"] is True and dc["kernel_broken"] is None
-    assert {"stack_and_digest_grouped_ms", "stack_and_digest_per_element_mod_ms"} <= set(dc)
+    assert {"stack_and_digest_grouped_ms", "stack_and_digest_per_element_mod_ms", "in_step_ms"} <= set(dc)
 
 
 @pytest.mark.parametrize("fault", ["raises", "differs"])

@@ -35,9 +35,9 @@ def test_the_kernels_in_step_words_record_the_after_step_items(monkeypatch):
     launches = []
     real = digest_kernel.summary_words_many
 
-    def counted(ts):
+    def counted(ts, index=None):
         launches.append(len(ts))
-        return real(ts)
+        return real(ts, index)
     monkeypatch.setattr(digest_kernel, "summary_words_many", counted)
     model = load_model("k3-mini", device=DEVICE)
     inside, after = Capture(), Capture(in_step=False)
@@ -55,9 +55,10 @@ def test_the_kernels_in_step_words_record_the_after_step_items(monkeypatch):
 
 def test_negative_control_a_wrong_gather_through_the_kernel_is_seen(monkeypatch):
     monkeypatch.setenv(device_digest.DIGEST_ENV, device_digest.SCHEME)
-    real = step_digests.StepDigests.tensors
-    monkeypatch.setattr(step_digests.StepDigests, "tensors",
-                        lambda self, logits, slot: real(self, logits, slot.roll(1)))
+    for method in ("words", "tensors"):          # the words and the check read the same wrong rows
+        real = getattr(step_digests.StepDigests, method)
+        monkeypatch.setattr(step_digests.StepDigests, method,
+                            lambda self, logits, slot, *a, real=real: real(self, logits, slot.roll(1), *a))
     model = load_model("k3-mini", device=DEVICE)
     inside, after = Capture(), Capture(in_step=False)
     eng = _run(model, inside)

@@ -221,16 +221,18 @@ class StepDigester:
 
     scheme = SCHEME
 
-    def words(self, ts: list[torch.Tensor]) -> list[torch.Tensor]:
-        """summary_words(t, rows=True) for each t: [rows, WORDS] int64 each, lanes as partial sums."""
+    def words(self, ts: list[torch.Tensor], index: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
+        """summary_words(t, rows=True) for each t (for t's rows index[i] where index[i] is given, read
+        in place by the kernel): [rows, WORDS] int64 each, lanes as partial sums."""
+        index = index or [None] * len(ts)
         if _KERNEL_BROKEN is None and _GROUPED_BROKEN is None and all(_kernel_takes(t, True) for t in ts):
             try:
                 from k3verify.compare.digest_kernel import summary_words_many as grouped
             except ImportError:
                 grouped = None
             if grouped is not None:
-                return grouped(ts)
-        return [summary_words_torch(t, rows=True) for t in ts]
+                return grouped(ts, index)
+        return [summary_words_torch(t if i is None else t.index_select(0, i), rows=True) for t, i in zip(ts, index)]
 
     def check(self, ts: list[torch.Tensor], words: list[torch.Tensor]) -> str | None:
         """None when `words` are the torch form's words of `ts`; else which tensor and row differ."""

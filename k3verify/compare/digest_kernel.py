@@ -73,36 +73,40 @@ def _digest_rows(h_ptr, f_ptr, c_ptr, out_ptr, n_h, n_f, h_stride, f_stride, c_s
 
 
 @triton.jit
-def _digest_slot(h_ptr, f_ptr, c_ptr, out_ptr, n_h, n_f, h_stride, f_stride, c_stride, g, first, last,
+def _digest_slot(h_ptr, f_ptr, i_ptr, c_ptr, out_ptr, n_h, n_f, h_stride, f_stride, c_stride, g, first, last,
                  SHIFT: tl.constexpr, HAS_F: tl.constexpr, H_PER_F: tl.constexpr, UPCAST: tl.constexpr,
-                 P: tl.constexpr, BLOCK: tl.constexpr):
-    """Global row g, if it is one of this slot's (rows first..last-1) and its block holds data."""
+                 INDEXED: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr):
+    """Global row g, if it is one of this slot's (rows first..last-1) and its block holds data. INDEXED:
+    the slot's row j is the tensor's row i_ptr[j] (a pool read in place, no gathered copy)."""
     blk = tl.program_id(1)
     if (g >= first) & (g < last) & (blk * BLOCK < n_h):
-        _row_block(h_ptr, f_ptr, c_ptr, out_ptr + g * 7, n_h, n_f, h_stride, f_stride, c_stride, g - first,
+        row = g - first
+        if INDEXED:
+            row = tl.load(i_ptr + row)
+        _row_block(h_ptr, f_ptr, c_ptr, out_ptr + g * 7, n_h, n_f, h_stride, f_stride, c_stride, row,
                    blk, SHIFT, HAS_F, H_PER_F, UPCAST, P, BLOCK, False)
 
 
 @triton.jit
-def _digest_many_ranges(h0, f0, nh0, nf0, hs0, fs0, h1, f1, nh1, nf1, hs1, fs1,
-                        h2, f2, nh2, nf2, hs2, fs2, h3, f3, nh3, nf3, hs3, fs3,
+def _digest_many_ranges(h0, f0, i0, nh0, nf0, hs0, fs0, h1, f1, i1, nh1, nf1, hs1, fs1,
+                        h2, f2, i2, nh2, nf2, hs2, fs2, h3, f3, i3, nh3, nf3, hs3, fs3,
                         a0, b0, a1, b1, a2, b2, a3, b3, lo, c_ptr, c_stride, out_ptr,
                         SHIFT: tl.constexpr, HAS_F: tl.constexpr, H_PER_F: tl.constexpr, UPCAST: tl.constexpr,
-                        SLOTS: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr):
+                        INDEXED: tl.constexpr, SLOTS: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr):
     """Up to four tensors of one kind (the same constexprs) in one launch. Program (i, blk) takes
     block blk of row g = lo + i of the words buffer, in the slot whose rows [a_s, b_s) hold it."""
     g = lo + tl.program_id(0)
-    _digest_slot(h0, f0, c_ptr, out_ptr, nh0, nf0, hs0, fs0, c_stride, g, a0, b0,
-                 SHIFT, HAS_F, H_PER_F, UPCAST, P, BLOCK)
+    _digest_slot(h0, f0, i0, c_ptr, out_ptr, nh0, nf0, hs0, fs0, c_stride, g, a0, b0,
+                 SHIFT, HAS_F, H_PER_F, UPCAST, INDEXED, P, BLOCK)
     if SLOTS > 1:
-        _digest_slot(h1, f1, c_ptr, out_ptr, nh1, nf1, hs1, fs1, c_stride, g, a1, b1,
-                     SHIFT, HAS_F, H_PER_F, UPCAST, P, BLOCK)
+        _digest_slot(h1, f1, i1, c_ptr, out_ptr, nh1, nf1, hs1, fs1, c_stride, g, a1, b1,
+                     SHIFT, HAS_F, H_PER_F, UPCAST, INDEXED, P, BLOCK)
     if SLOTS > 2:
-        _digest_slot(h2, f2, c_ptr, out_ptr, nh2, nf2, hs2, fs2, c_stride, g, a2, b2,
-                     SHIFT, HAS_F, H_PER_F, UPCAST, P, BLOCK)
+        _digest_slot(h2, f2, i2, c_ptr, out_ptr, nh2, nf2, hs2, fs2, c_stride, g, a2, b2,
+                     SHIFT, HAS_F, H_PER_F, UPCAST, INDEXED, P, BLOCK)
     if SLOTS > 3:
-        _digest_slot(h3, f3, c_ptr, out_ptr, nh3, nf3, hs3, fs3, c_stride, g, a3, b3,
-                     SHIFT, HAS_F, H_PER_F, UPCAST, P, BLOCK)
+        _digest_slot(h3, f3, i3, c_ptr, out_ptr, nh3, nf3, hs3, fs3, c_stride, g, a3, b3,
+                     SHIFT, HAS_F, H_PER_F, UPCAST, INDEXED, P, BLOCK)
 
 
 def constants32(m: int, device: torch.device) -> torch.Tensor:
@@ -119,14 +123,18 @@ def constants32(m: int, device: torch.device) -> torch.Tensor:
 
 class _Prepared:
     """A tensor as the kernel reads it: h (its 16-bit halves, or bytes when a row's byte count is odd),
-    flat (its own dtype, for finiteness), n rows, and the kernel's constexprs for it."""
+    flat (its own dtype, for finiteness), n rows, and the kernel's constexprs for it. With `index`
+    (int64 [n] on t's device) the rows digested are t's rows index[0..n-1], read where they lie."""
 
-    def __init__(self, t: torch.Tensor, rows: bool) -> None:
+    def __init__(self, t: torch.Tensor, rows: bool, index: torch.Tensor | None = None) -> None:
         x = t.detach()
         if x.dtype == torch.bool:
             x = x.to(torch.uint8)
+        self.index = None if index is None else index.to(torch.int64).contiguous()
         self.n = x.shape[0] if rows else 1
         self.flat = x.contiguous().reshape(self.n, -1)
+        if self.index is not None:
+            self.n = self.index.shape[0]
         raw = self.flat.view(torch.uint8)
         if raw.storage_offset() % 2:              # int16 needs 2-byte alignment
             raw = raw.clone()
@@ -135,14 +143,15 @@ class _Prepared:
         self.has_f = self.flat.is_floating_point()
         self.key = (32768 if even else 0, self.has_f,
                     max(1, self.flat.element_size() // 2) if even else 1,
-                    self.flat.dtype in (torch.bfloat16, torch.float16))
+                    self.flat.dtype in (torch.bfloat16, torch.float16), self.index is not None)
 
     def blocks(self, block: int) -> int:
         return max(1, triton.cdiv(self.h.shape[1], block))
 
     def args(self) -> tuple:
         f = self.flat if self.has_f else self.h
-        return (self.h, f, self.h.shape[1], self.flat.shape[1], self.h.stride(0), self.flat.stride(0))
+        idx = self.index if self.index is not None else self.h        # unread unless INDEXED
+        return (self.h, f, idx, self.h.shape[1], self.flat.shape[1], self.h.stride(0), self.flat.stride(0))
 
 
 def _words_buffer(rows: int, device: torch.device) -> torch.Tensor:
@@ -161,8 +170,8 @@ def summary_words(t: torch.Tensor, rows: bool = False, per_element_mod: bool = F
         return dd.summary_words_torch(t, rows)
     out = _words_buffer(p.n, p.h.device)
     c = dd.constants(p.h.shape[1], p.h.device) if per_element_mod else constants32(p.h.shape[1], p.h.device)
-    shift, has_f, h_per_f, upcast = p.key
-    h, f, n_h, n_f, h_stride, f_stride = p.args()
+    shift, has_f, h_per_f, upcast, _ = p.key
+    h, f, _, n_h, n_f, h_stride, f_stride = p.args()
     _digest_rows[grid](h, f, c, out, n_h, n_f, h_stride, f_stride, c.stride(0), SHIFT=shift, HAS_F=has_f,
                        H_PER_F=h_per_f, UPCAST=upcast, P=dd.P, BLOCK=block, PER_ELEMENT_MOD=per_element_mod)
     return out
@@ -171,14 +180,17 @@ def summary_words(t: torch.Tensor, rows: bool = False, per_element_mod: bool = F
 SLOTS = 4      # tensors one launch of _digest_many takes
 
 
-def summary_words_many(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+def summary_words_many(ts: list[torch.Tensor], index: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
     """[summary_words(t, rows=True) for t in ts], the same words, with one words buffer for all of
     them and one launch per up to SLOTS tensors of one kind (dtype class and byte parity), not three
     launches per tensor: a step's capture launches were its cost (NOTES.md, session 21). A tensor past
-    the launch grid's limits takes its own call (the torch form)."""
+    the launch grid's limits takes its own call (the torch form). `index[i]` (int64 [n], or None): the
+    words of ts[i]'s rows index[i] read in place, as summary_words(ts[i][index[i]], rows=True) gives
+    them without the gathered copy (the engine's in-step digests over its state pool)."""
     if not ts:
         return []
-    preps = [_Prepared(t, rows=True) for t in ts]
+    index = index or [None] * len(ts)
+    preps = [_Prepared(t, rows=True, index=i) for t, i in zip(ts, index)]
     device = preps[0].h.device
     out = _words_buffer(sum(p.n for p in preps), device)
     starts, at = [], 0
@@ -189,7 +201,8 @@ def summary_words_many(ts: list[torch.Tensor]) -> list[torch.Tensor]:
     groups: dict[tuple, list[int]] = {}
     for i, p in enumerate(preps):
         if p.blocks(BLOCK) > 65535 or p.n > 2 ** 31 - 1:
-            result[i] = dd.summary_words_torch(ts[i], rows=True)
+            rows = ts[i] if index[i] is None else ts[i].index_select(0, index[i])
+            result[i] = dd.summary_words_torch(rows, rows=True)
         else:
             groups.setdefault(p.key, []).append(i)
     c = constants32(max(p.h.shape[1] for p in preps), device)
@@ -205,7 +218,7 @@ def _launch_group(preps: list[_Prepared], starts: list[int], key: tuple, c: torc
     """One launch for 1..SLOTS prepared tensors of one kind, whose rows start at `starts` in `out`.
     The launch spans out's rows from the first slot's start to the last slot's end; a row in between
     that belongs to another group lies in no slot's range and is left to that group's launch."""
-    shift, has_f, h_per_f, upcast = key
+    shift, has_f, h_per_f, upcast, indexed = key
     slots = [p.args() for p in preps]
     ranges = [(s, s + p.n) for s, p in zip(starts, preps)]
     lo, hi = ranges[0][0], ranges[-1][1]
@@ -215,4 +228,4 @@ def _launch_group(preps: list[_Prepared], starts: list[int], key: tuple, c: torc
     grid = (hi - lo, max(p.blocks(BLOCK) for p in preps))
     _digest_many_ranges[grid](*[a for slot in slots for a in slot], *[r for rg in ranges for r in rg], lo, c,
                               c.stride(0), out, SHIFT=shift, HAS_F=has_f, H_PER_F=h_per_f, UPCAST=upcast,
-                              SLOTS=len(preps), P=dd.P, BLOCK=BLOCK)
+                              INDEXED=indexed, SLOTS=len(preps), P=dd.P, BLOCK=BLOCK)

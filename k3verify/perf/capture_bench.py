@@ -178,6 +178,8 @@ def digest_cost(model, batch: int, reps: int = 10) -> dict:
         return device_digest.summary_words(t, rows=True)
 
     per_layer = len(views) // max(1, len(st.kda))
+    pools = [torch.stack(rows) for rows in views]            # [B, ...] each, as the engine's pools hold them
+    slots = torch.arange(batch, device=model.device)
 
     def one_step(stack: bool, form: str | None) -> list:
         out = []
@@ -185,6 +187,8 @@ def digest_cost(model, batch: int, reps: int = 10) -> dict:
             for i in range(0, len(views), per_layer):
                 out += device_digest.summary_words_many([torch.stack(rows) for rows in views[i:i + per_layer]])
             return out + [words(logits, "default")]
+        if form == "in_step":                       # what the fast step launches: every tensor, read in place
+            return device_digest.StepDigester().words([logits] + pools, [None] + [slots] * len(pools))
         for rows in views:
             t = torch.stack(rows) if stack or form else None
             if form:
@@ -197,6 +201,7 @@ def digest_cost(model, batch: int, reps: int = 10) -> dict:
     if kernel is not None:
         arms.append(("stack_and_digest_per_element_mod_ms", True, "per_element_mod"))
         arms.append(("stack_and_digest_grouped_ms", True, "grouped"))
+        arms.append(("in_step_ms", False, "in_step"))
     times: dict[str, list[float]] = {name: [] for name, _, _ in arms}
     for name, stack, form in arms:                   # compile and warm every form first
         one_step(stack, form)
@@ -218,7 +223,10 @@ def digest_cost(model, batch: int, reps: int = 10) -> dict:
             lambda: one_step(True, "default"))
         out["stack_and_digest_grouped_device_ms"], out["stack_and_digest_grouped_launches"] = _device_time(
             lambda: one_step(True, "grouped"))
+        out["in_step_device_ms"], out["in_step_launches"] = _device_time(lambda: one_step(False, "in_step"))
         a, b, c = one_step(True, "default"), one_step(True, "per_element_mod"), one_step(True, "grouped")
+        d = one_step(False, "in_step")
+        d = d[1:] + d[:1]                            # logits first there, last in the others
         out["kernel_broken"] = device_digest._KERNEL_BROKEN        # None: the default arm ran the kernel
         out["grouped_broken"] = device_digest._GROUPED_BROKEN      # None: the grouped arm ran grouped
         L = device_digest.LANES
@@ -226,7 +234,7 @@ def digest_cost(model, batch: int, reps: int = 10) -> dict:
         def same(xs, ys) -> bool:
             return len(xs) == len(ys) and all(torch.equal(x[:, :L] % device_digest.P, y[:, :L] % device_digest.P)
                                               and torch.equal(x[:, L:], y[:, L:]) for x, y in zip(xs, ys))
-        out["forms_same_words"] = same(a, b) and same(a, c)
+        out["forms_same_words"] = same(a, b) and same(a, c) and same(a, d)
     out["tensors_a_step"] = len(views) + 1
     out["bytes_a_step"] = batch * sum(t.numel() * t.element_size() for kda in st.kda.values()
                                       for t in kda.tensors().values()) + logits.numel() * 4
@@ -301,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
               f"a remainder a product (before) {dc['stack_and_digest_per_element_mod_ms']:.2f} ms, "
               f"a layer's tensors grouped {dc['stack_and_digest_grouped_ms']:.2f} ms (the device busy "
               f"{dc['stack_and_digest_grouped_device_ms']:.2f} ms, {dc['stack_and_digest_grouped_launches']} "
-              f"activities); "
+              f"activities); the step's in-place form (what a graph replays) {dc['in_step_ms']:.2f} ms (the "
+              f"device busy {dc['in_step_device_ms']:.2f} ms, {dc['in_step_launches']} activities); "
               f"same words: {dc['forms_same_words']}; kernel failed: {dc['kernel_broken']}")
     ins = doc["in_step"]
     print(f"  digests inside the step: {ins['digest_steps']} steps of the last watched run"
