@@ -59,6 +59,8 @@ EVENTS = {
     "fast_decode_rows": "a request's decode row ran in the batched decode step (FastDecoder.run)",
     "prefill_sorted_experts": "a MoE layer of a forward outside the batched decode step ran its routed experts "
                               "through one sort (engine._sorted_experts)",
+    "prefill_batched_mixers": "a KDA or MLA layer of a forward over several segments ran every segment's "
+                              "token-wise work on all rows at once (prefill_batched_mixers; counts segments)",
     "fast_padded_rows": "the batched decode step ran padding rows up to the ladder size (FastDecoder.run)",
     "graph_replay": "the batched decode step was replayed from a captured CUDA graph (FastDecoder._forward)",
     "fast_step_digests": "a decode row's logits and KDA states were digested for the observers inside the "

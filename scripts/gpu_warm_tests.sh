@@ -74,6 +74,19 @@ if [ "${STEP_SITES:-0}" = 1 ]; then
     head -25 "$OUT/logs/step/step_sites.txt" 2>/dev/null | cut -c1-160
   fi
 fi
+# SEGMENTS_AB=1 (default off): one engine step prefilling 1, 4 and 16 prompts of 256 tokens on k3-small,
+# with and without prefill_batched_mixers (perf/segments_ab.py: the host-bound multi-prompt prefill).
+if [ "${SEGMENTS_AB:-0}" = 1 ]; then
+  if [ "$(limit 60)" -lt 60 ]; then
+    since "segments A/B: no time left"
+  else
+    timeout "$(limit 150)" python3 -m k3verify.perf.segments_ab --out "$OUT/logs/segments" --model k3-small \
+      --device cuda --dtype bfloat16 --prompts 1,4,16 --tokens 256 --repeats 5 \
+      --base batched_decode+prefill_sorted_experts > "$OUT/logs/segments.log" 2>&1
+    since "segments A/B rc=$?"
+    grep '^|' "$OUT/logs/segments.log"
+  fi
+fi
 # 4. PREFILL_PROFILE=N (default off): perf/prefill_ab at N tokens, the phase set against the reference
 #    and transformers (--peer), then --profile N (device ms by kernel family) while the call has time.
 #    PREFILL_SETS (default "phase;phase+gemm_per_shape").

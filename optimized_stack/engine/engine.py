@@ -127,6 +127,7 @@ class Engine:
             self.fast.step.digests = StepDigests(digester, self.fast.step.kda, model.config.vocab_size)
         self._observed_in_step: set[Request] = set()      # this step's requests whose states came with the step
         self._sorted_form = self._sorted_experts_form()
+        self._segment_forms = self._segment_mixers_forms()
         self._sampled: dict[Request, int] = {}
 
     # ---- requests ---------------------------------------------------------------------
@@ -272,8 +273,10 @@ class Engine:
             watching = (self.spec.watching([(req, a, b) for req, (a, b) in batch])
                         if self.spec is not None else contextlib.nullcontext())
             plain = len(batch) > 1 and "mut_batch_plain_linear" in self.opts.faults
-            with recording as records, watching, (ops.override(linear=ops.plain_linear) if plain
-                                                  else contextlib.nullcontext()), self._sorted_experts():
+            # the segment mixers first: speculation's recording turns the KDA one off inside it
+            with self._segment_mixers(), recording as records, watching, (
+                    ops.override(linear=ops.plain_linear) if plain else contextlib.nullcontext()), \
+                    self._sorted_experts():
                 outs = self.model.forward_batch(list(zip(ids, states)))
             for (req, (a, b)), st, rows in zip(batch, states, outs):
                 self.metrics.tokens_computed += b - a
@@ -305,6 +308,33 @@ class Engine:
             events.fire("prefill_sorted_experts")
             return form(moe, h, idx, w)
         return experts
+
+    def _segment_mixers_forms(self) -> dict | None:
+        """Option prefill_batched_mixers: each KDA and MLA layer of a forward over several segments
+        runs their token-wise work on all rows at once (kernels/kda/segments.py, kernels/mla/segments.py;
+        bit-identical to one call per segment), counting the segments it took; None with it off."""
+        if not self.opts.prefill_batched_mixers:
+            return None
+        import functools
+
+        from ..kernels.kda.segments import kda_segments
+        from ..kernels.mla.segments import mla_segments
+        kda = (functools.partial(kda_segments, _windows_from_next=True)
+               if "mut_batched_mixers_window_from_next" in self.opts.faults else kda_segments)
+        events = self.events
+
+        def counted(form):
+            def over_segments(attn, layer_index, x, bounds, states):
+                events.fire("prefill_batched_mixers", len(bounds))
+                return form(attn, layer_index, x, bounds, states)
+            return over_segments
+        return {"kda_segments": counted(kda), "mla_segments": counted(mla_segments)}
+
+    def _segment_mixers(self) -> contextlib.AbstractContextManager:
+        """The segment mixers in the op table for one forward, where their slots are empty."""
+        if self._segment_forms is None:
+            return contextlib.nullcontext()
+        return ops.override(**{k: v for k, v in self._segment_forms.items() if getattr(ops.OPS, k) is None})
 
     def _sorted_experts(self) -> contextlib.AbstractContextManager:
         """The sorted experts in the op table for one forward, unless a toggle's own experts hold the

@@ -55,6 +55,8 @@ FAULTS = {
                                       "of each KDA state (inert while the value head is <= 64)",
     "mut_sorted_experts_weights_unsorted": "the sorted prefill experts take the routing weights in (row, slot) "
                                            "order while their outputs are in expert order",
+    "mut_batched_mixers_window_from_next": "the batched segment mixers store each segment's new conv window "
+                                           "from the next segment's rows",
 }
 
 # option -> the option it needs (one line errors name both). The one source of these rules:
@@ -76,6 +78,8 @@ REQUIRES = {
     # not needed by its code (any forward can take it), but it belongs to the counted fast stack
     # (k3verify/serving/stack.py: the exact toggles that switch the batched decode step on)
     "prefill_sorted_experts": "batched_decode",
+    # the same: any forward_batch can take it; it belongs to the fast stack's prefill
+    "prefill_batched_mixers": "batched_decode",
 }
 
 
@@ -128,6 +132,10 @@ class EngineOptions:
     # the forwards outside the batched decode step (prefill chunks, verifications): routed experts
     # with one host sync per layer instead of one per expert (kernels/moe/sorted.py), bit-identical
     prefill_sorted_experts: bool = False
+    # the same forwards: each KDA and MLA layer's token-wise work on every segment's rows at once, the
+    # convs over one joined sequence, attention and the recurrence per segment (kernels/kda/segments.py,
+    # kernels/mla/segments.py), bit-identical
+    prefill_batched_mixers: bool = False
     faults: frozenset[str] = field(default_factory=frozenset)
 
     def __post_init__(self) -> None:

@@ -243,7 +243,8 @@ class Speculator:
 
         handles = [m.register_forward_pre_hook(pre_hook) for m in self.kda_layers.values()]
         try:
-            with ops.override(kda_prefill=scan, kda_decode=scan):
+            # the pre-hooks record each segment's own KDA call: no KDA layer over all segments at once
+            with ops.override(kda_prefill=scan, kda_decode=scan, kda_segments=None):
                 yield records
         finally:
             for h in handles:

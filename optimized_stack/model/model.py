@@ -190,7 +190,12 @@ class K3Model(nn.Module):
         return [logits[a:b] for a, b in bounds]
 
     def _mixer(self, layer: DecoderLayer, x: torch.Tensor, seg: "_Segments") -> torch.Tensor:
-        """Run the KDA / MLA mixer per segment, each on its own request state."""
+        """Run the KDA / MLA mixer per segment, each on its own request state (or, with the op slot
+        for every segment at once filled, through it: the same bits, kernels/kda/segments.py)."""
+        over_segments = OPS.kda_segments if layer.kind == KDA else OPS.mla_segments
+        if over_segments is not None and len(seg.bounds) > 1:
+            states = [st.kda[layer.index] for st in seg.states] if layer.kind == KDA else seg.states
+            return over_segments(layer.self_attn, layer.index, x, seg.bounds, states)
         outs = []
         for (a, b), st in zip(seg.bounds, seg.states):
             if layer.kind == KDA:

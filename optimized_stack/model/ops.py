@@ -223,6 +223,10 @@ class OpTable:
     moe_block: Callable[..., torch.Tensor] | None = None
     # AttnRes read: (candidates, norm_w, proj_w, eps) -> [T, D]; None: AttnResRead.mix
     attn_res_mix: Callable[..., torch.Tensor] | None = None
+    # a layer's KDA / MLA mixer over every segment of a forward_batch at once: (attn, layer index,
+    # x [T, D], bounds [(a, b)], states) -> [T, D]; None: one call per segment (model.py _mixer)
+    kda_segments: Callable[..., torch.Tensor] | None = None
+    mla_segments: Callable[..., torch.Tensor] | None = None
 
 
 OPS = OpTable()

@@ -108,6 +108,21 @@ _mut("mut_sorted_experts_weights_unsorted", "prefill_sorted_experts", "the sorte
      "the expert-ordered outputs by routing weights still in (row, slot) order", SORTED, ("logits",),
      "ops/moe_experts", ("prefill_sorted_experts",))
 
+# exact: the same forwards with each KDA and MLA layer's token-wise work (projections, gates, norms,
+# the convs over one joined sequence, o_proj) on every segment's rows at once, the recurrence and the
+# attention per segment (kernels/kda/segments.py, kernels/mla/segments.py): ~45 launches a KDA layer
+# per segment become ~45 plus the scan's per segment. Row-invariant primitives: bit-identical. Any device.
+MIXERS = {**BATCHED, "prefill_batched_mixers": True}
+register(Toggle(
+    name="prefill_batched_mixers", contract=EXACT, touches=ALL, engine=MIXERS,
+    requires=tuple(r for r in required_options(MIXERS) if r != "prefill_batched_mixers"),
+    exercised_by=EXERCISED_BY, events=("prefill_batched_mixers",),
+    description="each KDA and MLA layer of a forward over several prompts: the token-wise work on all "
+                "rows at once, the convs over one joined sequence, the recurrence and attention per prompt"))
+_mut("mut_batched_mixers_window_from_next", "prefill_batched_mixers", "the batched mixers store each "
+     "segment's new conv window from the next segment's rows", MIXERS, ("kda_state", "logits"), "kda/conv",
+     ("prefill_batched_mixers",))
+
 # approx: the static placement with one batched GEMM per projection over every expert (capturable,
 # unlike moe_grouped, whose capacity is read on the host); judged like moe_grouped
 register(Toggle(
