@@ -70,6 +70,20 @@ class _Computation:
     graph_replayed: bool = False
 
 
+# the op slots that run a layer's mixer over several segments at once (prefill_batched_mixers): they can
+# only have made a differing "mixer" row of their own layer kind, and only where a forward had several
+# segments; a fault elsewhere is not theirs to take the blame for
+_SEGMENT_SLOTS = {"kda_segments": "mixer", "mla_segments": "mixer"}
+_SEGMENT_KINDS = {"kda_segments": "kda", "mla_segments": "mla"}
+
+
+def blamed_slots(model, ops: dict[str, str], ref_ops: dict[str, str], layer: int, name: str) -> list[str]:
+    """The op slots a computation ran off the reference that could have made sublayer `name` of
+    `layer` differ, in the op table's order (the first is named as where the fault lives)."""
+    return [s for s in ref_ops if ops.get(s) != ref_ops[s] and _SEGMENT_SLOTS.get(s, name) == name
+            and (s not in _SEGMENT_KINDS or model.config.layer_kinds[layer] == _SEGMENT_KINDS[s])]
+
+
 def _op_names() -> dict[str, str]:
     """The op table's implementation per slot, by qualified name (None: the model's own code)."""
     out = {}
@@ -153,6 +167,8 @@ class _Trace:
         if any(r is None for r in reqs):        # not an engine step (e.g. a reference replay)
             return
         ops = _op_names()
+        if len(segments) == 1:                  # the mixers over several segments were not called
+            ops = {**ops, **{slot: "reference" for slot in _SEGMENT_SLOTS}}
         for (ids, st), req in zip(segments, reqs):
             rid = req.request_id
             start = st.num_tokens
@@ -326,7 +342,7 @@ def _judge(model, c: _Computation, walk: _ReferenceWalk, seq: list[int], ref_ops
         for key in order:
             if key in c.rows and c.rows[key] != rec[key]:
                 layer, name = key
-                slots = [s for s in ref_ops if c.ops.get(s) != ref_ops[s]]
+                slots = blamed_slots(model, c.ops, ref_ops, layer, name)
                 where = component(model, layer, name)
                 if slots:
                     where = f"ops/{slots[0]}"

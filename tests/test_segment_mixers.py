@@ -132,3 +132,33 @@ def test_the_engine_toggle_is_exact_with_its_event_and_its_mutant_is_caught():
     bad, _ = run(["mut_batched_mixers_window_from_next"])
     assert bad != ref, "the seeded fault changed no token on three prompts prefilled together"
 
+
+
+
+def test_localisation_blames_the_segment_mixers_only_for_their_own_kinds_mixer():
+    """The segment slots are in the op table of every forward under prefill_batched_mixers; a differing
+    row is theirs only where it is the mixer of their layer kind (a fault in an FFN, or in the other
+    kind's mixer, is not), and a single-segment forward never called them. The control: the unfiltered
+    slot list blames kda_segments for the FFN."""
+    from k3verify import localize_engine as le
+    model = load_model("k3-mini")
+    kinds = model.config.layer_kinds
+    kda, mla = kinds.index("kda"), kinds.index("mla")
+    ref = {"linear": "reference", "kda_segments": "reference", "mla_segments": "reference"}
+    ran = {**ref, "kda_segments": "segments.kda", "mla_segments": "segments.mla"}
+    assert le.blamed_slots(model, ran, ref, kda, "mixer") == ["kda_segments"]
+    assert le.blamed_slots(model, ran, ref, mla, "mixer") == ["mla_segments"]
+    assert le.blamed_slots(model, ran, ref, kda, "ffn") == []
+    assert le.blamed_slots(model, {**ran, "linear": "plain"}, ref, kda, "ffn") == ["linear"]
+    unfiltered = [s for s in ref if ran.get(s) != ref[s]]
+    assert unfiltered[0] == "kda_segments", "control: without the filter the FFN's fault is blamed on the mixers"
+    trace = le._Trace(model)
+    trace._req_of_state = {}
+    st = model.new_state()
+
+    class Req:
+        request_id, tokens = "r", list(range(5))
+    trace._req_of_state[id(st)] = Req()
+    with ops.override(kda_segments=kda_segments, mla_segments=mla_segments):
+        trace.on_segments([(torch.arange(5), st)])
+    assert trace._pending[0].ops["kda_segments"] == "reference", "a one-segment forward never called the mixers"

@@ -118,10 +118,13 @@ class Raises(device_digest.StepDigester):
 @pytest.mark.parametrize("digester,why", [(WrongWords, "differ from the torch form"), (Raises, "no kernel here")],
                          ids=["wrong-words", "raises"])
 def test_a_bad_digester_is_turned_off_and_the_capture_stays_right(model, m31, monkeypatch, capsys, digester, why):
-    monkeypatch.setattr(Capture, "step_digester", lambda self, device: digester())
-    cap, after = CountingCapture(), CountingCapture(in_step=False)
-    eng = run(model, [cap])
+    """The capture after the turn-off equals the after-step capture of an engine the bad digester never
+    touched (taken first): the step was not run twice on the requests' state, and nothing was lost."""
+    after = CountingCapture(in_step=False)
     run(model, [after])
+    monkeypatch.setattr(Capture, "step_digester", lambda self, device: digester())
+    cap = CountingCapture()
+    eng = run(model, [cap])
     assert why in (eng.fast.stats.digests_off or ""), eng.fast.stats.digests_off
     assert "in-step digests are off" in capsys.readouterr().err
     assert cap.step_words_calls == 0 and "fast_step_digests" not in eng.events
@@ -138,10 +141,11 @@ def shift_rows(monkeypatch, method: str) -> None:
 def test_words_of_the_wrong_rows_are_caught_by_the_first_words_check(model, m31, monkeypatch):
     """The step's words read the pool at the wrong slots; the check gathers the right ones: the
     in-step digests are turned off, and the capture is the after-step one."""
-    shift_rows(monkeypatch, "words")
-    cap, after = CountingCapture(), CountingCapture(in_step=False)
-    eng = run(model, [cap])
+    after = CountingCapture(in_step=False)
     run(model, [after])
+    shift_rows(monkeypatch, "words")
+    cap = CountingCapture()
+    eng = run(model, [cap])
     assert "differ from the torch form" in (eng.fast.stats.digests_off or "")
     assert cap.to_json() == after.to_json()
 
@@ -172,3 +176,61 @@ def test_on_the_gpu_in_step_words_record_the_after_step_items(names):
     assert inside.to_json() == after.to_json()
     if "cuda_graphs" in names:
         assert eng.fast.stats.graph_replays > 0
+
+
+class StandInGraphs:
+    """FastDecoder's graph runner as far as _forward sees it (a CPU stand-in): `fail` says which runs
+    raise; a run that does not raise runs the step eagerly and remembers its key as captured."""
+
+    def __init__(self, fast, fail):
+        self.fast, self.fail, self.seen, self.calls = fast, fail, set(), []
+        self.replays = self.captures = 0
+        self.first_replay = False
+
+    def key(self, size):
+        return size, self.fast.step.digests is not None
+
+    def has(self, size):
+        return self.key(size) in self.seen
+
+    def run(self, meta):
+        key = self.key(meta.shape[1])
+        self.calls.append(key)
+        if self.fail(key, key in self.seen):
+            raise RuntimeError("the stand-in graph failed")
+        self.first_replay = key not in self.seen
+        self.seen.add(key)
+        step = self.fast.step
+        return step.forward_words(meta) if key[1] else (*step.forward(meta), None)
+
+
+def _engine_with(model, cap, fail):
+    with toggles.applied(["batched_decode"]) as ap:
+        opts = EngineOptions.from_dict({**ap.engine, "max_num_seqs": len(PROMPTS), "kda_pool_slots": len(PROMPTS)})
+    eng = Engine(model, opts, [cap])
+    eng.fast.graphs = StandInGraphs(eng.fast, fail)
+    eng.fast.step.capturable = lambda: None
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(p, SamplingParams(max_new_tokens=6, ignore_eos=True), request_id=f"r{i}", arrival_step=i % 2)
+    return eng
+
+
+def test_a_graph_whose_capture_with_digests_fails_is_captured_again_without(model, m31):
+    after = CountingCapture(in_step=False)
+    run(model, [after])
+    cap = CountingCapture()
+    eng = _engine_with(model, cap, fail=lambda key, captured: key[1] and not captured)
+    with torch.no_grad():
+        eng.run()
+    graphs = eng.fast.graphs
+    assert graphs.calls[:2] == [(graphs.calls[0][0], True), (graphs.calls[0][0], False)], graphs.calls
+    assert "capturing the step with its digests failed" in eng.fast.stats.digests_off
+    assert cap.to_json() == after.to_json()
+
+
+def test_a_replayed_graph_that_fails_is_not_run_again(model, m31):
+    """A failure of a graph already captured may have touched the requests' state: it is raised, never
+    retried (the control of the test above: only a capture is retried)."""
+    eng = _engine_with(model, CountingCapture(), fail=lambda key, captured: captured)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="the stand-in graph failed"):
+        eng.run()

@@ -39,6 +39,9 @@ DIGEST_ENV = "K3_DIGEST"        # "m31x4": the device digest for CPU tensors too
 NONFINITE_KINDS = {1: "nan", 2: "inf", 3: "-inf"}
 
 _CONSTANTS: dict[torch.device, torch.Tensor] = {}
+# every table ever made stays alive: a CUDA graph that captured the torch form (the engine's in-step
+# digests where the kernel does not run) holds a table's address, not a reference to it
+_CONSTANTS_ALL: list[torch.Tensor] = []
 
 
 def on_device(t: torch.Tensor) -> bool:
@@ -71,6 +74,7 @@ def constants(m: int, device: torch.device) -> torch.Tensor:
         blocks = 1 << (blocks - 1).bit_length()              # grow by doubling
         table = torch.stack([torch.cat([_block(k, b) for b in range(blocks)]) for k in range(LANES)]).to(device)
         _CONSTANTS[device] = table
+        _CONSTANTS_ALL.append(table)
     return table[:, :m]
 
 

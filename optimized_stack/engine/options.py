@@ -78,8 +78,8 @@ REQUIRES = {
     # not needed by its code (any forward can take it), but it belongs to the counted fast stack
     # (k3verify/serving/stack.py: the exact toggles that switch the batched decode step on)
     "prefill_sorted_experts": "batched_decode",
-    # the same: any forward_batch can take it; it belongs to the fast stack's prefill
-    "prefill_batched_mixers": "batched_decode",
+    # several segments in one forward_batch come from batching requests
+    "prefill_batched_mixers": "continuous_batching",
 }
 
 

@@ -122,42 +122,53 @@ class FastDecoder:
         return FastResult(rows, tokens, words)
 
     def _forward(self, meta_host: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(logits, sampled, words or None). The in-step digests' first words (of each graph, and of
-        the eager step) are checked against the digester's other form; a failure or a difference
-        turns them off and this step's observers get their calls after the step."""
+        """(logits, sampled, words or None). A failure of the digests turns them off and this step's
+        observers get their calls after the step; the step itself is never run twice on the requests'
+        state (it advances the pools in place): eagerly the words are taken after the forward, apart
+        from it; a graph is retried without them only when the failure came while capturing it (its
+        warm-up and capture touch the spare slot alone). The first words of each graph, and of the
+        eager step, are checked against the digester's other form."""
         digests = self.step.digests
-        try:
-            out, first = self._forward_once(meta_host)
-        except Exception as exc:   # noqa: BLE001 - only when the digests ride in the step; re-raised else
-            if digests is None:
-                raise
-            self._digests_off(f"the step with its digests failed: {type(exc).__name__}: {exc}"[:300])
-            out, first = self._forward_once(meta_host)
-        if digests is not None and out[2] is not None and first:
-            why = digests.check(out[0], meta_host[ROW_KDA_SLOT].to(self.model.device), out[2])
-            if why is not None:
-                self._digests_off(why)
-                return out[0], out[1], None
-        return out
-
-    def _forward_once(self, meta_host: torch.Tensor):
-        """((logits, sampled, words or None), whether these are the first words of their graph or of
-        the eager step)."""
         if self.graphs is not None:
             reason = self.step.capturable()
             if reason is None:
-                out = self.graphs.run(meta_host)
+                size = meta_host.shape[1]
+                fresh = not self.graphs.has(size)
+                try:
+                    out = self.graphs.run(meta_host)
+                except Exception as exc:   # noqa: BLE001 - re-raised unless a capture with digests failed
+                    if digests is None or not fresh:
+                        raise
+                    self._digests_off(f"capturing the step with its digests failed: {type(exc).__name__}: {exc}"[:300])
+                    out = self.graphs.run(meta_host)
                 self.events.fire("graph_replay")
                 self.stats.graph_replays = self.graphs.replays
                 self.stats.graph_captures = self.graphs.captures
-                return out, self.graphs.first_replay
+                return self._checked(out, meta_host, self.graphs.first_replay)
             self.stats.eager_reason = reason
         meta = meta_host.to(self.model.device, non_blocking=True)
-        if self.step.digests is None:
-            return (*self.step.forward(meta), None), False
+        logits, sampled = self.step.forward(meta)
+        if digests is None:
+            return logits, sampled, None
+        try:
+            words = digests.words(logits, meta[ROW_KDA_SLOT])
+        except Exception as exc:   # noqa: BLE001 - the forward is done; only the words are lost
+            self._digests_off(f"the step's digests failed: {type(exc).__name__}: {exc}"[:300])
+            return logits, sampled, None
         first = not self._eager_checked
         self._eager_checked = True
-        return self.step.forward_words(meta), first
+        return self._checked((logits, sampled, words), meta_host, first)
+
+    def _checked(self, out, meta_host: torch.Tensor, first: bool):
+        """out, or out without its words when these first words differ from the digester's other form."""
+        digests = self.step.digests
+        if digests is None or out[2] is None or not first:
+            return out
+        why = digests.check(out[0], meta_host[ROW_KDA_SLOT].to(self.model.device), out[2])
+        if why is None:
+            return out
+        self._digests_off(why)
+        return out[0], out[1], None
 
     def _digests_off(self, why: str) -> None:
         digests = self.step.digests

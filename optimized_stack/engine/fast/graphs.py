@@ -88,6 +88,10 @@ class GraphRunner:
         self.graphs[key] = entry
         return entry
 
+    def has(self, size: int) -> bool:
+        """Whether a graph of this size is captured for the dispatch in force now."""
+        return (size, op_fingerprint(), self.step.digests is not None) in self.graphs
+
     def run(self, meta_host: torch.Tensor) -> Outputs:
         """meta_host [4, Bp] int64 (pinned) -> (logits [Bp, V], sampled [2, Bp], words or None) of the
         replay; `first_replay` says whether it was this graph's first (its words are checked then)."""

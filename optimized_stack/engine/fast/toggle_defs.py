@@ -108,11 +108,13 @@ _mut("mut_sorted_experts_weights_unsorted", "prefill_sorted_experts", "the sorte
      "the expert-ordered outputs by routing weights still in (row, slot) order", SORTED, ("logits",),
      "ops/moe_experts", ("prefill_sorted_experts",))
 
-# exact: the same forwards with each KDA and MLA layer's token-wise work (projections, gates, norms,
-# the convs over one joined sequence, o_proj) on every segment's rows at once, the recurrence and the
-# attention per segment (kernels/kda/segments.py, kernels/mla/segments.py): ~45 launches a KDA layer
-# per segment become ~45 plus the scan's per segment. Row-invariant primitives: bit-identical. Any device.
-MIXERS = {**BATCHED, "prefill_batched_mixers": True}
+# exact: the forwards over several requests with each KDA and MLA layer's token-wise work (projections,
+# gates, norms, the convs over one joined sequence, o_proj) on every segment's rows at once, the
+# recurrence and the attention per segment (kernels/kda/segments.py, kernels/mla/segments.py): ~45
+# launches a KDA layer per segment become ~45 plus the scan's per segment. Row-invariant primitives:
+# bit-identical. Any device. Not (yet) in the counted fast stack: a served stack's KVV run must see
+# every counted toggle's event, and this one fires only where one step prefills several prompts.
+MIXERS = {"continuous_batching": True, "prefill_batched_mixers": True}
 register(Toggle(
     name="prefill_batched_mixers", contract=EXACT, touches=ALL, engine=MIXERS,
     requires=tuple(r for r in required_options(MIXERS) if r != "prefill_batched_mixers"),
