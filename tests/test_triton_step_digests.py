@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from k3verify.capture.capture import Capture
-from k3verify.compare import device_digest, digest_kernel
+from k3verify.compare import device_digest
 from optimized_stack import load_model, toggles
 from optimized_stack.engine.engine import Engine
 from optimized_stack.engine.fast import step_digests
@@ -31,6 +31,7 @@ def _run(model, cap):
 
 
 def test_the_kernels_in_step_words_record_the_after_step_items(monkeypatch):
+    from k3verify.compare import digest_kernel        # imports triton: the Triton lane's venv only
     monkeypatch.setenv(device_digest.DIGEST_ENV, device_digest.SCHEME)
     launches = []
     real = digest_kernel.summary_words_many
