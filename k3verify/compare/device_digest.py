@@ -183,6 +183,19 @@ def _first_kernel_call(kernel, t: torch.Tensor, rows: bool) -> torch.Tensor:
     return out
 
 
+def differing_rows(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """The rows (int64 [k]) where two [n, WORDS] summaries differ: lanes compared mod p (the kernel
+    leaves partial sums), the other words as they are."""
+    return (((got[:, :LANES] % P) != (want[:, :LANES] % P)).any(-1) | (got[:, LANES:] != want[:, LANES:]).any(-1)
+            ).nonzero()[:, 0]
+
+
+def same_words(got: list[torch.Tensor], want: list[torch.Tensor]) -> bool:
+    """Whether two lists of summaries are the same words (shapes, then differing_rows)."""
+    return len(got) == len(want) and all(a.shape == b.shape and not differing_rows(a, b).numel()
+                                         for a, b in zip(got, want))
+
+
 def summary_words_many(ts: list[torch.Tensor]) -> list[torch.Tensor]:
     """[summary_words(t, rows=True) for t in ts], the same words, from the kernel's grouped form where
     every tensor takes the kernel (one words buffer, one launch per up to four tensors of a kind: a
@@ -202,11 +215,7 @@ def summary_words_many(ts: list[torch.Tensor]) -> list[torch.Tensor]:
         return grouped(ts)
     want = one_by_one()
     try:
-        got = grouped(ts)
-        same = len(got) == len(want) and all(
-            torch.equal(a[:, :LANES] % P, b[:, :LANES] % P) and torch.equal(a[:, LANES:], b[:, LANES:])
-            for a, b in zip(got, want))
-        problem = None if same else "its words differ from the per-tensor kernel's"
+        problem = None if same_words(grouped(ts), want) else "its words differ from the per-tensor kernel's"
     except Exception as exc:   # noqa: BLE001 - any compile or launch failure of the first call
         problem = f"{type(exc).__name__}: {exc}"[:300]
     if problem:
@@ -246,9 +255,7 @@ class StepDigester:
             want = summary_words_torch(t, rows=True)
             if got.shape != want.shape:
                 return f"tensor {i}: words of shape {list(got.shape)}, the torch form's {list(want.shape)}"
-            lanes = (got[:, :LANES] % P) != want[:, :LANES]
-            rest = got[:, LANES:] != want[:, LANES:].to(got.device)
-            bad = (lanes.to(want.device).any(-1) | rest.to(want.device).any(-1)).nonzero()
+            bad = differing_rows(got, want)
             if bad.numel():
                 return (f"tensor {i} ({str(t.dtype).removeprefix('torch.')}{list(t.shape)}): row {int(bad[0])} "
                         f"and {bad.numel() - 1} more differ from the torch form's words")

@@ -229,11 +229,7 @@ def digest_cost(model, batch: int, reps: int = 10) -> dict:
         d = d[1:] + d[:1]                            # logits first there, last in the others
         out["kernel_broken"] = device_digest._KERNEL_BROKEN        # None: the default arm ran the kernel
         out["grouped_broken"] = device_digest._GROUPED_BROKEN      # None: the grouped arm ran grouped
-        L = device_digest.LANES
-
-        def same(xs, ys) -> bool:
-            return len(xs) == len(ys) and all(torch.equal(x[:, :L] % device_digest.P, y[:, :L] % device_digest.P)
-                                              and torch.equal(x[:, L:], y[:, L:]) for x, y in zip(xs, ys))
+        same = device_digest.same_words
         out["forms_same_words"] = same(a, b) and same(a, c) and same(a, d)
     out["tensors_a_step"] = len(views) + 1
     out["bytes_a_step"] = batch * sum(t.numel() * t.element_size() for kda in st.kda.values()

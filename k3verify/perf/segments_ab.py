@@ -27,11 +27,7 @@ from optimized_stack.engine.options import EngineOptions, SamplingParams
 
 from ..io import atomic_write_json
 from .ab import interleaved
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+from .gpu_bench import sync
 
 
 def prefill_step(model, names: list[str], prompts: list[list[int]]) -> tuple[float, int]:
@@ -44,10 +40,10 @@ def prefill_step(model, names: list[str], prompts: list[list[int]]) -> tuple[flo
     for i, p in enumerate(prompts):
         eng.add_request(p, SamplingParams(max_new_tokens=2, ignore_eos=True), request_id=f"p{i}")
     with torch.no_grad():
-        _sync(model.device)
+        sync()
         t0 = time.perf_counter()
         out = eng.step()
-        _sync(model.device)
+        sync()
         seconds = time.perf_counter() - t0
     assert len(out) == len(prompts) and all(o.num_tokens == len(p) for o, p in zip(out, prompts)), \
         "the step did not prefill every prompt whole: the arms would time different work"

@@ -88,15 +88,18 @@ class GraphRunner:
         self.graphs[key] = entry
         return entry
 
+    def _key(self, size: int) -> tuple:
+        return size, op_fingerprint(), self.step.digests is not None
+
     def has(self, size: int) -> bool:
         """Whether a graph of this size is captured for the dispatch in force now."""
-        return (size, op_fingerprint(), self.step.digests is not None) in self.graphs
+        return self._key(size) in self.graphs
 
     def run(self, meta_host: torch.Tensor) -> Outputs:
         """meta_host [4, Bp] int64 (pinned) -> (logits [Bp, V], sampled [2, Bp], words or None) of the
         replay; `first_replay` says whether it was this graph's first (its words are checked then)."""
         size = meta_host.shape[1]
-        key = (size, op_fingerprint(), self.step.digests is not None)
+        key = self._key(size)
         entry = self.graphs.get(key) or self._capture(size, key)
         if self.stale_input and entry.replays:
             entry.meta[1:].copy_(meta_host[1:], non_blocking=True)      # the fault: ids left stale

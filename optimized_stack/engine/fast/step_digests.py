@@ -49,7 +49,6 @@ class StepDigests:
             Entry("kda", layer, name, pool[name].dtype, tuple(pool[name].shape[1:]))
             for layer, pool in kda_pools.items() for name in pool]          # KDAState.tensors()' order
         self.broken: str | None = None          # why the in-step digests were turned off
-        self.checked = 0                        # first words checked against the digester's other form
 
     def tensors(self, logits: torch.Tensor, kda_slot: torch.Tensor) -> list[torch.Tensor]:
         """logits [Bp, V] fp32, kda_slot [Bp] -> the layout's tensors, [Bp, ...] each (the stepped
@@ -65,7 +64,6 @@ class StepDigests:
     def check(self, logits: torch.Tensor, kda_slot: torch.Tensor, words: torch.Tensor) -> str | None:
         """None when `words` (the step's, [len(layout), Bp, W]) are what the digester's other form gives
         for the same tensors now; else why not."""
-        self.checked += 1
         try:
             return self.digester.check(self.tensors(logits, kda_slot), list(words.unbind(0)))
         except Exception as exc:   # noqa: BLE001 - a check that cannot run cannot vouch for the words

@@ -31,26 +31,36 @@ from ...model.kda import KDAState, KDAttention, kda_scan
 from ...model.ops import OPS, l2_norm, silu
 
 
+def segment_rows(bounds: list[tuple[int, int]], w1: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where conv_segments reads in the joined sequence [window_1; x_1; window_2; x_2; ...] (windows of
+    w1 rows): the output rows [T] (row r's taps are rows r .. r+w1) and each segment's last w1 rows
+    [n*w1] (its new window). The same for a layer's three convs: built once a call."""
+    out_rows, tails, at = [], [], 0
+    for a, b in bounds:
+        out_rows.append(torch.arange(at, at + b - a))
+        at += w1 + b - a
+        tails.append(torch.arange(at - w1, at))
+    return torch.cat(out_rows).to(device), torch.cat(tails).to(device)
+
+
 def conv_segments(x: torch.Tensor, bounds: list[tuple[int, int]], windows: list[torch.Tensor],
-                  weight: torch.Tensor, *, _windows_from_next: bool = False
-                  ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                  weight: torch.Tensor, *, rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  _windows_from_next: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """model/kda.py causal_conv for n segments at once: x [T, C] (segment i's rows bounds[i]),
-    windows n x [W-1, C], weight [C, 1, W] -> (y [T, C], the n new windows [W-1, C])."""
+    windows n x [W-1, C], weight [C, 1, W] -> (y [T, C], the n new windows [W-1, C]). `rows`:
+    segment_rows' indices, when the caller has them."""
     taps = weight.shape[-1]
     w1 = taps - 1
-    pieces, out_rows, ends, at = [], [], [], 0
+    out_rows, tail = rows if rows is not None else segment_rows(bounds, w1, x.device)
+    pieces = []
     for (a, b), win in zip(bounds, windows):
         pieces += [win.to(x.dtype), x[a:b]]                          # [W-1 + T_i, C] per segment
-        out_rows.append(torch.arange(at, at + b - a))                 # y row r reads xs[r .. r+W-1]
-        at += w1 + b - a
-        ends.append(at)
     xs = torch.cat(pieces, 0)                                         # [n(W-1) + T, C]
     length = xs.shape[0] - w1
     y = xs[0:length] * weight[:, 0, 0]
     for j in range(1, taps):                                          # the reference's tap order
         y = y + xs[j:j + length] * weight[:, 0, j]
-    y = y.index_select(0, torch.cat(out_rows).to(x.device))           # [T, C]
-    tail = torch.cat([torch.arange(e - w1, e) for e in ends]).to(x.device)
+    y = y.index_select(0, out_rows)                                   # [T, C]
     new = xs.index_select(0, tail).view(len(bounds), w1, -1)          # [n, W-1, C]
     if _windows_from_next:
         new = new.roll(-1, 0)
@@ -64,10 +74,11 @@ def kda_segments(attn: KDAttention, layer_index: int, x: torch.Tensor, bounds: l
     cfg, lin = attn.cfg, OPS.linear
     h, kd = cfg.kda_num_heads, cfg.kda_head_dim
     convs = {}
+    rows = segment_rows(bounds, attn.q_conv1d.weight.shape[-1] - 1, x.device)
     for name, proj, conv in (("conv_q", attn.q_proj, attn.q_conv1d), ("conv_k", attn.k_proj, attn.k_conv1d),
                              ("conv_v", attn.v_proj, attn.v_conv1d)):
         convs[name], windows = conv_segments(lin(x, proj.weight), bounds, [getattr(st, name) for st in states],
-                                             conv.weight, _windows_from_next=_windows_from_next)
+                                             conv.weight, rows=rows, _windows_from_next=_windows_from_next)
         for st, win in zip(states, windows):
             setattr(st, name, win)
     q = silu(convs["conv_q"]).view(-1, h, kd)
