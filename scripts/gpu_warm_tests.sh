@@ -7,7 +7,8 @@
 # after copying this call's triton-cache.tar.gz to .gpu-cache/.
 # 1. fla's KDA kernels for every head size the release suite runs (k3-mini 16:4, golden/k3-dims 128:2,
 #    k3-small 128:8), in parallel (~80-150 s on a fresh machine);
-# 2. the GPU tests (`pytest -m gpu`: the reference on CUDA, the batched capture, the in-step digests;
+# 2. the GPU tests (`pytest -m gpu`: the reference on CUDA, the batched capture, the in-step digests,
+#    the fla decode toggles' rows forms;
 #    and the device digest kernel's and the GEMM's tests), which also compile this repository's own
 #    Triton kernels; then the router GEMM's tile probe (perf/gpu_probes.py router_tiles, seconds);
 # 3. the capture's overhead on the counted engine at B = 16, then 64 (perf/capture_bench.py, the
@@ -39,7 +40,7 @@ since "fla warm"
 if [ "${TESTS:-1}" = 1 ]; then
   # the digest kernel's tests carry no gpu marker (they run under the interpreter in CI): all of them here
   timeout "$(limit 200)" python3 -m pytest -m gpu tests/test_gpu_reference.py tests/test_capture_batched.py \
-    tests/test_step_digests.py \
+    tests/test_step_digests.py tests/test_fast_gpu.py::test_fla_rows_forms_equal_one_request_per_call \
     -q -p no:cacheprovider -rs > "$OUT/logs/pytest-gpu.log" 2>&1
   since "pytest -m gpu rc=$?"
   tail -3 "$OUT/logs/pytest-gpu.log"

@@ -4,6 +4,8 @@ a CPU; run by scripts/gpu_engine_bench.sh on the H200):
 - fla's fused_recurrent_kda over the state pool in place (ssm_state_indices, inplace_final_state)
   and the gather form both give, per request, the bits of the reference decode (fla_recurrent,
   one request per call), at k3-mini's and k3-small's head sizes and B = 1, 3, 64;
+- the rows forms of the fla decode toggles (one call over B rows) give each request the bits of
+  the toggle's op called on it alone;
 - the batched step on the GPU profile: padding to a ladder size changes no real row's bits;
 - a CUDA graph replay of the step == the eager step, bit for bit (logits and the pools), over
   several replays at several sizes, and the engine with cuda_graphs == the engine without;
@@ -45,6 +47,23 @@ def test_batched_fla_decode_equals_the_reference_decode(form, b, h, k):
     for i, s in enumerate(slots.tolist()):
         assert torch.equal(o[i], want[i][0][0]), f"{form} B={b} K={k}: output of request {i} differs"
         assert torch.equal(work[s], want[i][1]), f"{form} B={b} K={k}: state of request {i} differs"
+
+
+@pytest.mark.parametrize("kernel", ["chunk", "recurrent"])
+@pytest.mark.parametrize("b,h,k", [(3, 4, 16), (64, 8, 128)])
+def test_fla_rows_forms_equal_one_request_per_call(kernel, b, h, k):
+    """The rows forms the fast step runs under kda_fla_chunk / kda_fla_recurrent (kda_step.ROW_FORMS,
+    one call over B sequences of one token) give each request the bits of the toggle's own op called
+    on that request alone: the toggle has one arithmetic, whichever form the engine takes."""
+    from optimized_stack.kernels.kda import fla
+    one, rows = {"chunk": (fla.fla_chunk, fla.fla_chunk_rows),
+                 "recurrent": (fla.fla_recurrent, fla.fla_recurrent_rows)}[kernel]
+    q, kk, v, gate, beta, pool = _kda_inputs(b, h, k)
+    o, finals = rows(q, kk, v, gate, beta, pool[:b])
+    for i in range(b):
+        o_ref, s_ref = one(q[i:i + 1], kk[i:i + 1], v[i:i + 1], gate[i:i + 1], beta[i:i + 1], pool[i])
+        assert torch.equal(o[i], o_ref[0]), f"{kernel} B={b} K={k}: output of request {i} differs"
+        assert torch.equal(finals[i], s_ref), f"{kernel} B={b} K={k}: state of request {i} differs"
 
 
 @pytest.fixture(scope="module")

@@ -233,3 +233,40 @@ def test_batched_decode_runs_the_absorbed_toggle_batched(model):
                 # the paged form ran in the slot's place and counted as the toggle's decode op
                 assert ap.events.get("op:mla_decode", 0) > 0
     assert runs[True] == runs[False]
+
+
+@pytest.mark.parametrize("with_rows_form", [True, False], ids=["rows-form", "partial-one-by-one"])
+def test_a_kda_decode_op_with_a_rows_form_runs_once_over_the_rows(monkeypatch, with_rows_form):
+    """A KDA decode toggle's op with a rows form (kda_step.ROW_FORMS: fla's kernels over B
+    sequences of one token) runs that form once over the B rows, counted as one call of the slot,
+    and its states land in the request's slots; an op without one (a mutant's functools.partial)
+    runs one request at a time, B calls. Stand-ins on the CPU: kda_recurrent per request and
+    recurrent_step over the rows (bitwise equal, the test above), so both give the same bits."""
+    import functools
+
+    from optimized_stack import toggles
+    from optimized_stack.engine.fast import kda_step
+    from optimized_stack.events import Events
+    b, h, k = 5, 4, 16
+    x = random_kda_inputs(3, b, h, k, k, with_state=False)
+    pool = torch.randn(b + 3, h, k, k, generator=torch.Generator().manual_seed(4))
+    slots = torch.tensor([6, 0, 3, 7, 1])
+    calls = []
+
+    def rows_form(q, kk, v, g, beta, states):
+        calls.append(q.shape[0])
+        return recurrent_step(q, kk, v, g, beta, states)
+
+    monkeypatch.setattr(kda_step, "ROW_FORMS", {kda_recurrent: rows_form})
+    op = kda_recurrent if with_rows_form else functools.partial(kda_recurrent)
+    events = Events()
+    work = pool.clone()
+    with ops.override(kda_decode=toggles._counted(op, "op:kda_decode", events)):
+        o = kda_step._one_by_one(x.q, x.k, x.v, x.g, x.beta, work, slots)
+    assert calls == ([b] if with_rows_form else [])
+    assert events["op:kda_decode"] == (1 if with_rows_form else b)
+    for i, s in enumerate(slots.tolist()):
+        o_ref, s_ref = kda_recurrent(x.q[i:i + 1], x.k[i:i + 1], x.v[i:i + 1], x.g[i:i + 1], x.beta[i:i + 1], pool[s])
+        assert torch.equal(o[i], o_ref[0]) and torch.equal(work[s], s_ref), f"request {i}"
+    untouched = sorted(set(range(b + 3)) - set(slots.tolist()))
+    assert torch.equal(work[untouched], pool[untouched])

@@ -97,7 +97,8 @@ class DecodeStep:
         if ops.gpu_reference() is not gpu_reference:
             return f"{ops.GPU_PROFILE_ENV}=torch: the decode ops run one request at a time"
         if OPS.kda_decode is not None:
-            return "a KDA decode op in the op table runs one request at a time"
+            # its rows form (kda_step.ROW_FORMS) is fla's Python entry point, not checked for host syncs
+            return "a KDA decode op in the op table (its rows form, or one request at a time) is not captured"
         if OPS.attention is not None or (OPS.mla_decode is not None and base_form(OPS.mla_decode) not in PAGED_FORMS):
             return "an MLA attention op without a paged form runs one request at a time"
         if base_form(OPS.moe_experts) not in CAPTURABLE_EXPERTS:

@@ -14,7 +14,9 @@ reference's own primitives, row-invariant), and the two per-request pieces run b
   request at a time). `K3_FAST_KDA=gather` runs the reference's own specialisation instead
   (states gathered, final states out, scattered back): the fallback if the in-place
   specialisation ever differs on a GPU (tests/test_fast_gpu.py compares both).
-A KDA decode op in the op table (a kernel toggle or a mutant) is honoured one request at a time.
+A KDA decode op in the op table (a kernel toggle or a mutant) is honoured in its rows form where
+ROW_FORMS has one (fla's kernels over B sequences of one token: one call, not B), else one request
+at a time. Either way the step is not captured (capturable() in decode_step.py).
 
 Padding rows point at the pool's spare slot, never at a request's.
 Shape letters: B rows, H heads, K key dim, V value dim, C = H*K, W conv taps, P pool slots.
@@ -22,6 +24,7 @@ Shape letters: B rows, H heads, K key dim, V value dim, C = H*K, W conv taps, P 
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import torch
 
@@ -29,8 +32,15 @@ from ...errors import K3Error
 from ...model import ops
 from ...model.kda import KDAState, KDAttention, kda_scan
 from ...model.ops import OPS, exp, l2_norm, silu
+from ...kernels.kda import fla
+from ...toggles import base_form, count_call
 
 FAST_KDA_ENV = "K3_FAST_KDA"
+
+# a kernel toggle's KDA decode op (OPS.kda_decode) -> the same kernel over the B rows in one call:
+# (q, k, g [B, H, K], v [B, H, V], beta [B, H], states [B, H, K, V]) -> (o [B, H, V], finals).
+# A mutant's op (a functools.partial of a form) has none and runs one request at a time.
+ROW_FORMS: dict[Callable, Callable] = {fla.fla_chunk: fla.fla_chunk_rows, fla.fla_recurrent: fla.fla_recurrent_rows}
 FAST_KDA_CHOICES = ("inplace", "gather")
 
 
@@ -171,8 +181,15 @@ def kda_decode(layer: KDAttention, x: torch.Tensor, pools: dict[str, torch.Tenso
 
 
 def _one_by_one(q, k, v, g, beta, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """The decode op in force (a toggle's kernel, or the torch profile's), one request at a time:
-    correct whatever the op, not capturable (reads the slots on the host)."""
+    """The decode op in force (a toggle's kernel, or the torch profile's): its rows form over the
+    B rows in one call where it has one (counted as one call of the slot), else one request at a
+    time, correct whatever the op (reads the slots on the host)."""
+    rows = ROW_FORMS.get(base_form(OPS.kda_decode))          # the slot holds a counting wrapper
+    if rows is not None:
+        count_call(OPS.kda_decode)
+        o, finals = rows(q, k, v, g, beta, pool.index_select(0, slots))
+        pool.index_copy_(0, slots, finals)
+        return o
     scan = OPS.kda_decode or kda_scan
     outs = []
     for b, slot in enumerate(slots.tolist()):
@@ -182,4 +199,4 @@ def _one_by_one(q, k, v, g, beta, pool: torch.Tensor, slots: torch.Tensor) -> to
     return torch.cat(outs)
 
 
-__all__ = ["KDAState", "V_TILE", "conv_step", "kda_decode", "recurrent_step", "fast_kda_choice", "value_tiles"]
+__all__ = ["KDAState", "ROW_FORMS", "V_TILE", "conv_step", "kda_decode", "recurrent_step", "fast_kda_choice", "value_tiles"]

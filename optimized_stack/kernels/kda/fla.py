@@ -3,6 +3,9 @@
 - `fla_chunk`: chunk_kda over one sequence with a start state (toggle kda_fla_chunk);
 - `fla_recurrent`: fused_recurrent_kda, the whole call in one kernel with the state in
   registers (toggle kda_fla_recurrent; the decode-step kernel);
+- `fla_chunk_rows` / `fla_recurrent_rows`: the same kernels over one token of each of B
+  requests, B sequences of length 1 in one call: the fast decode step's form of the two
+  toggles (engine/fast/kda_step.py ROW_FORMS), in place of B calls of one row each;
 - `kda_chunk_batched`: chunk_kda over [B, T, ...] from a zero state, for training;
 - `fla_chunk_varlen`: chunk_kda over several sequences packed along T (cu_seqlens), the
   negative control of the GPU invariance check (k3verify/invariance.py): a packed batch is
@@ -90,6 +93,34 @@ def fla_recurrent(q, k, v, g, beta, initial_state=None, *, _transpose_state: boo
     if _transpose_state:
         final = final.transpose(-1, -2).contiguous()
     return o[0].float(), final
+
+
+def _rows_in(q, k, v, g, beta):
+    """One token of B requests [B, H, ...] as B sequences of length 1 [B, 1, H, ...]."""
+    return dict(q=q.unsqueeze(1), k=k.unsqueeze(1), v=v.unsqueeze(1), g=g.float().unsqueeze(1),
+                beta=beta.float().unsqueeze(1))
+
+
+def fla_chunk_rows(q, k, v, g, beta, states):
+    """fla_chunk for one token of each of B requests in one chunk_kda call: q, k, g [B, H, K],
+    v [B, H, V], beta [B, H], states [B, H, K, V] fp32 -> (o [B, H, V] fp32, finals [B, H, K, V]
+    fp32). Every (sequence, head) pair is its own program in fla's grid, so a row's arithmetic is
+    the one-row call's (tests/test_fast_gpu.py compares the two on the device)."""
+    _configure()
+    from fla.ops.kda import chunk_kda
+    o, final = chunk_kda(**_rows_in(q, k, v, g, beta), scale=1.0, initial_state=states.float().contiguous(),
+                         output_final_state=True)
+    return o[:, 0].float(), final.float()
+
+
+def fla_recurrent_rows(q, k, v, g, beta, states):
+    """fla_recurrent for one token of each of B requests in one fused_recurrent_kda call (the
+    arguments and results of fla_chunk_rows)."""
+    _configure()
+    from fla.ops.kda import fused_recurrent_kda
+    o, final = fused_recurrent_kda(**_rows_in(q, k, v, g, beta), scale=1.0,
+                                   initial_state=states.float().contiguous(), output_final_state=True)
+    return o[:, 0].float(), final.float()
 
 
 def kda_chunk_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
