@@ -314,8 +314,13 @@ def fit(model, opt: torch.optim.Optimizer, steps: Iterable[Step], cfg: LoopConfi
 
     Each step's parts are forwarded and backpropagated one after another (the loss of part
     p scaled by weights[p], default 1), then one clipped AdamW step. on_progress(frac) gets
-    the elapsed fraction (a curriculum reads it); evaluate(model, ops) runs every
+    the schedule's elapsed fraction (a curriculum reads it); evaluate(model, ops) runs every
     cfg.eval_every_s and at the end, each time followed by checkpoint(metrics).
+
+    The run stops cfg.minutes after it starts, but the schedule (warmup, cosine, curriculum)
+    spans the time after the first step: that step compiles the kernels (fla's chunk_kda with
+    its backward: 272 s of a 450 s run on a fresh H100, 2026-12-07, whose cosine had decayed
+    the peak rate to a third before the second step).
     """
     weights = weights or {}
     model.to(cfg.device).train()
@@ -326,8 +331,15 @@ def fit(model, opt: torch.optim.Optimizer, steps: Iterable[Step], cfg: LoopConfi
     amp = torch.autocast(torch.device(cfg.device).type, dtype=torch.bfloat16, enabled=ops.dtype == torch.bfloat16)
     budget = cfg.minutes * 60.0
     start = last_eval = time.time()
+    deadline = start + budget
+    schedule_start = None                   # set after the first step: its compile is not training
     tokens = step = 0
     window = (start, 0)
+
+    def schedule_frac() -> float:
+        if schedule_start is None:
+            return 0.0
+        return (time.time() - schedule_start) / max(1e-9, deadline - schedule_start)
 
     def run_eval() -> dict:
         model.eval()
@@ -338,9 +350,9 @@ def fit(model, opt: torch.optim.Optimizer, steps: Iterable[Step], cfg: LoopConfi
         return metrics
 
     for parts in steps:
-        frac = (time.time() - start) / budget
-        if frac >= 1.0 or (cfg.max_steps and step >= cfg.max_steps):
+        if time.time() >= deadline or (cfg.max_steps and step >= cfg.max_steps):
             break
+        frac = schedule_frac()
         if on_progress:
             on_progress(frac)
         lr = lr_at(cfg, step, frac)
@@ -364,6 +376,10 @@ def fit(model, opt: torch.optim.Optimizer, steps: Iterable[Step], cfg: LoopConfi
                     bias += cfg.bias_update * torch.sign(load.float().mean() - load.float())
             ops.loads.clear()
         step += 1
+        if step == 1:
+            schedule_start = time.time()
+            say(f"first step (compile included) {schedule_start - start:.0f}s; the schedule spans the "
+                f"{max(0.0, deadline - schedule_start):.0f}s left")
         if step % 50 == 0 or step == 1:
             now = time.time()
             tps = (tokens - window[1]) / max(1e-9, now - window[0])

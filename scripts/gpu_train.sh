@@ -4,7 +4,11 @@
 #   bash scripts/gpu_train.sh train MINUTES [extra scripts/train_k3mini.py flags]
 #   resume: ... train MINUTES --init DIR   (DIR: a model dir, plus optim.pt to keep AdamW's state)
 # Both start with the op self-check (chunked KDA vs the recurrence, SDPA vs plain softmax).
-# fla-core is optional (--kda fla): carry its wheel in .whl/ to use it.
+# fla-core is optional (--kda fla): carry its wheel in .whl/ to use it. At K3's head dims (--preset
+# k3-dims) it is needed on an 80 GB card: the plain torch chunk form ran out of memory on an H100 with
+# 32,768 needle tokens a step (2026-12-07). fla compiles its forward and backward in the first step
+# (272 s on a fresh H100); the schedule starts after it (optimized_stack/train.py fit), the run's
+# MINUTES include it.
 set -euo pipefail
 mode=${1:-train}
 cd "$(dirname "$0")/.."

@@ -239,3 +239,33 @@ def test_step_data_yields_gsm_and_needle_parts():
     assert step["gsm"][0].shape == (2, 512) and step["needle"][0].shape == (1, 1024 + script.NEEDLE_TAIL)
     no_needle = dataclasses.replace(cfg, needle_tokens=0)
     assert set(next(iter(script.StepData(no_needle, type("P", (), {"value": 0.0})())))) == {"gsm"}
+
+
+def test_the_schedule_starts_after_the_first_step_and_the_run_still_ends_on_time():
+    """The first step compiles the kernels on a fresh GPU (fla with its backward: 272 s of a 450 s
+    run, 2026-12-07). The learning-rate schedule and the curriculum span the time after it, so the
+    second step's fraction is near 0, not the compile's share of the run (the control: the whole
+    run's fraction at that moment, which the old loop used, is past 0.5); the run still stops at
+    cfg.minutes from its start."""
+    import time
+    budget_s = 3.0
+    loop = tr.LoopConfig(out="x", device="cpu", minutes=budget_s / 60, warmup_steps=1, lr=1e-2, amp=False,
+                         eval_every_s=1e9)
+    model = _model(0, _tiny_cfg())
+    opt = tr.make_optimizer(model, loop)
+    fracs, wall = [], []
+    start = time.time()
+
+    def progress(frac):
+        fracs.append(frac)
+        wall.append((time.time() - start) / budget_s)
+        if len(fracs) == 1:
+            time.sleep(0.6 * budget_s)         # the first step's compile
+    with override(linear=plain_linear):
+        metrics = tr.fit(model, opt, _fixed_steps(10_000), loop, on_progress=progress, say=lambda _: None)
+    elapsed = time.time() - start
+    assert metrics["steps"] >= 2 and len(fracs) >= 2
+    assert fracs[0] == 0.0 and fracs[1] < 0.3, fracs[:3]
+    assert wall[1] > 0.5, wall[:3]                          # what the old loop read: the control
+    assert fracs == sorted(fracs) and fracs[-1] <= 1.0
+    assert elapsed < budget_s + 2.0, elapsed               # the deadline is the run's start + minutes
