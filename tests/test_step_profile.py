@@ -65,17 +65,40 @@ def test_the_sorted_stack_is_the_fused_stack_plus_the_sorted_prefill_experts():
 def test_launch_sites_sum_device_time_by_the_model_line():
     cpu = torch.autograd.DeviceType.CPU
     line = "/x/optimized_stack/model/moe.py(53): route"
-    events = [SimpleNamespace(device_type=cpu, device_time_total=2000.0, name="aten::_to_copy",
+    events = [SimpleNamespace(device_type=cpu, self_device_time_total=2000.0, name="aten::_to_copy",
                               stack=[line, "/x/optimized_stack/engine/fast/decode_step.py(130): forward"])] * 3 + [
-        SimpleNamespace(device_type=cpu, device_time_total=500.0, name="aten::mul",
+        SimpleNamespace(device_type=cpu, self_device_time_total=500.0, name="aten::mul",
                         stack=["/x/optimized_stack/model/kda.py(180): gate"]),
-        # controls: no device time, or launched from outside the model, count nowhere
-        SimpleNamespace(device_type=cpu, device_time_total=0.0, name="aten::add", stack=[line]),
-        SimpleNamespace(device_type=cpu, device_time_total=900.0, name="aten::add", stack=["/x/k3verify/a.py(1): f"])]
+        # controls: no device time counts nowhere; launched from outside the model, or with no
+        # stack (a Triton launch outside any aten op), goes to the last row
+        SimpleNamespace(device_type=cpu, self_device_time_total=0.0, name="aten::add", stack=[line]),
+        SimpleNamespace(device_type=cpu, self_device_time_total=900.0, name="aten::add", stack=["/x/k3verify/a.py(1): f"]),
+        SimpleNamespace(device_type=cpu, self_device_time_total=100.0, name="cuLaunchKernel", stack=[])]
     rows = sp.launch_sites(SimpleNamespace(events=lambda: events)).splitlines()
-    assert len(rows) == 2
+    assert len(rows) == 3
     assert rows[0].split() == ["6.000", "ms", "3", "model/moe.py(53)", "aten::_to_copy"]
     assert rows[1].split()[:4] == ["0.500", "ms", "1", "model/kda.py(180)"]
+    assert rows[2].split()[:2] == ["1.000", "ms"] and "no optimized_stack op" in rows[2]
+
+
+def test_launch_sites_refuses_a_profile_without_stacks():
+    """The first --sites call on the H100 printed an empty table: the profile had no stacks."""
+    cpu = torch.autograd.DeviceType.CPU
+    events = [SimpleNamespace(device_type=cpu, self_device_time_total=2000.0, name="aten::mm", stack=[])]
+    with pytest.raises(RuntimeError, match="recorded no stacks"):
+        sp.launch_sites(SimpleNamespace(events=lambda: events))
+
+
+def test_launch_sites_on_a_real_profile_names_the_model_lines(mini):
+    """A real profile taken as profile_cell takes it (with_stack, STACKS_CONFIG), timed by CPU time
+    here (no device): the model's own lines own the time."""
+    from torch.profiler import ProfilerActivity, profile
+    ids = torch.arange(1, 40)
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True, experimental_config=sp.STACKS_CONFIG()) as prof:
+        mini.forward(ids, mini.new_state())
+    rows = sp.launch_sites(prof, time_of=lambda e: e.self_cpu_time_total).splitlines()
+    assert len(rows) > 5 and any("model/" in r for r in rows[:10]), rows[:10]
+    assert "no optimized_stack op" in rows[-1]
 
 
 def test_decode_cell_with_sites_writes_a_section(mini):

@@ -66,23 +66,45 @@ def _ms(fn, repeats: int) -> float:
     return (time.perf_counter() - t0) / repeats * 1e3
 
 
-def launch_sites(prof, top: int = 40) -> str:
+def launch_sites(prof, top: int = 40, time_of=None) -> str:
     """The profiled device time by the innermost optimized_stack frame of the op that launched it:
-    'ms  launches  file:line  op' rows, most device time first (a CPU run has no device time: empty)."""
+    'ms  launches  file:line  op' rows, most device time first, then the device time no such op
+    owns (kernels launched outside an aten op: this repository's and fla's Triton launches).
+    `time_of(event)` is an op's own time in us, default its own device time (a kernel counts once,
+    for the innermost op that launched it); a CPU test passes the CPU time. The profile needs
+    with_stack and STACKS_CONFIG: without the verbose experimental config torch 2.11-2.13 record
+    no stacks in events() (the first H100 call of --sites, 2026-12-07, printed an empty table)."""
+    time_of = time_of or (lambda e: getattr(e, "self_device_time_total", 0.0) or 0.0)
     by: dict[tuple[str, str], list[float]] = {}
+    stacks = owned = total = 0.0
     for e in prof.events():
-        dev = getattr(e, "device_time_total", 0.0) or 0.0
-        if not dev or e.device_type != torch.autograd.DeviceType.CPU:
+        if e.device_type != torch.autograd.DeviceType.CPU:
             continue
+        own = time_of(e)
+        total += own
+        stacks += bool(e.stack)
         frames = [f for f in (e.stack or []) if "optimized_stack/" in f]
-        if not frames:
+        if not own or not frames:
             continue
         site = frames[0].split("optimized_stack/", 1)[1].split(": ")[0].strip()      # file.py(line)
         row = by.setdefault((site, e.name), [0.0, 0])
-        row[0] += dev / 1e3
+        row[0] += own / 1e3
         row[1] += 1
+        owned += own
+    if not stacks:
+        raise RuntimeError("launch_sites: the profile recorded no stacks (profile it with with_stack=True "
+                           "and experimental_config=STACKS_CONFIG())")
     rows = sorted(by.items(), key=lambda kv: -kv[1][0])[:top]
-    return "\n".join(f"{ms:8.3f} ms {n:6d}  {site}  {name}" for (site, name), (ms, n) in rows)
+    lines = [f"{ms:8.3f} ms {n:6d}  {site}  {name}" for (site, name), (ms, n) in rows]
+    lines.append(f"{(total - owned) / 1e3:8.3f} ms          (no optimized_stack op: launched outside "
+                 f"an aten op, or from outside the model)")
+    return "\n".join(lines)
+
+
+def STACKS_CONFIG():
+    """The profiler's experimental config under which events() carry their Python stacks."""
+    from torch._C._profiler import _ExperimentalConfig
+    return _ExperimentalConfig(verbose=True)
 
 
 def profile_cell(model, names, donor: Donor, batch: int, repeats: int, kernels: list[str],
@@ -115,7 +137,8 @@ def profile_cell(model, names, donor: Donor, batch: int, repeats: int, kernels: 
                        + prof.key_averages().table(sort_by="cuda_time_total", row_limit=30))
         acts, act_ms = device_activities(prof, 3)
         if sites is not None:
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof_s:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True,
+                         experimental_config=STACKS_CONFIG()) as prof_s:
                 fast.step.forward(dev_meta)
                 sync()
             sites.append(f"==== {'+'.join(names)} B={batch} ctx={context}: one eager step, device ms by the "
