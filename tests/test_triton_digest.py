@@ -168,7 +168,9 @@ def test_the_benchs_digest_cost_runs_every_form_and_finds_their_words_equal():
     times the same work."""
     from k3verify.perf.capture_bench import digest_cost
     from optimized_stack import load_model
-    dc = digest_cost(load_model("k3-mini"), batch=2, reps=1)
+    # on the device the model must be there too: digest_cost takes the kernel's arms only for a CUDA
+    # model or under the interpreter (the first GPU run of this test loaded it on the CPU and failed)
+    dc = digest_cost(load_model("k3-mini", device=DEVICE), batch=2, reps=1)
     assert dc["forms_same_words"] is True and dc["kernel_broken"] is None
     assert {"stack_and_digest_grouped_ms", "stack_and_digest_per_element_mod_ms", "in_step_ms"} <= set(dc)
 
