@@ -39,7 +39,8 @@ from ..io import atomic_write_text
 
 PROBES = ("scaled_mm", "kda_fp32", "router_tiles")
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) the router probe tries beside the default and SMALL_N_TILES
-ROUTER_CANDIDATES = ((16, 32, 32, 4, 2), (16, 16, 64, 2, 2), (16, 16, 128, 4, 2), (32, 32, 32, 4, 2))
+# (16, 16, 32, 4, 2) was SMALL_N_TILES until the probe of 2026-12-07 chose (16, 16, 128, 4, 2)
+ROUTER_CANDIDATES = ((16, 32, 32, 4, 2), (16, 16, 64, 2, 2), (16, 16, 32, 4, 2), (32, 32, 32, 4, 2))
 
 
 def router_tile_cells(ms=(64, 256, 2112), k: int = 768, n: int = 32) -> list[dict]:
