@@ -133,13 +133,15 @@ def engine_capture_overhead(model, names: tuple[str, ...], *, batch: int, contex
                                           make=lambda: Capture(in_step=False)),
                                   repeats=repeats, tokens=steady_tokens, self_timed=True,
                                   labels=("no capture", "capture, calls after the step"))
+        split = {"none": step_split(model, opts, donor, batch, new_tokens, ()),
+                 "capture": step_split(model, opts, donor, batch, new_tokens, (Capture(),))}
     rows = sum(len(rc.logits) for rc in captures[-1].requests.values()) if captures else 0
     steps = new_tokens - 1
     doc = {**_overhead(ab), "timed": f"decode steps 2..{new_tokens} (the first step and the set-up are not timed)",
            "extra_ms_per_step": 1e3 * (ab.to_dict()["median_s_b"] - ab.to_dict()["median_s_a"]) / steps,
            "with_setup": _overhead(setup_ab), "stack": list(names), "batch": batch, "context": context,
            "new_tokens": new_tokens, "repeats": repeats, "captured_logits_rows": rows,
-           "digest_cost": digest_cost(model, batch)}
+           "digest_cost": digest_cost(model, batch), "step_split": split}
     stats = fast_stats.get("capture")
     doc["in_step"] = {"digest_steps": getattr(stats, "digest_steps", 0), "off": getattr(stats, "digests_off", None)}
     if outside is not None:
@@ -237,6 +239,25 @@ def digest_cost(model, batch: int, reps: int = 10) -> dict:
     return out
 
 
+def step_split(model, opts, donor, batch: int, new_tokens: int, observers: tuple, steps: int = 6) -> dict:
+    """Where a steady decode step's time goes, watched or not: per step (after the first, which
+    captures the graphs) the wall ms, the device's busy ms (the sum of its kernels and copies,
+    torch.profiler) and their difference, the host's share that the device did not cover. The
+    capture's extra wall time a step, set beside its extra device time, says whether the lever is
+    the digest kernels or the host work around them (session 23: +2.47 ms a step at B = 64, of
+    which the digest kernels measured alone were 0.87 ms)."""
+    eng = seeded_engine(model, opts, donor, batch, max(new_tokens, steps + 2), observers)
+    eng.step()                                       # graphs captured, kernels chosen
+    sync()
+    t0 = time.perf_counter()
+    device_ms, activities = _device_time(lambda: [eng.step() for _ in range(steps)])
+    wall_ms = 1e3 * (time.perf_counter() - t0)
+    wall, device = wall_ms / steps, device_ms / steps
+    watched = sum(len(rc.logits) for obs in observers for rc in obs.requests.values())   # the evidence
+    return {"steps": steps, "wall_ms": wall, "device_ms": device, "host_uncovered_ms": wall - device,
+            "activities": activities / steps, "captured_logits_rows": watched}
+
+
 def _device_time(fn) -> tuple[float, int]:
     """(device ms, device activities) of one call of fn, from torch.profiler's CUDA events; (0, 0)
     without CUDA, where the profiler has no device activity to take."""
@@ -308,6 +329,10 @@ def main(argv: list[str] | None = None) -> int:
               f"activities); the step's in-place form (what a graph replays) {dc['in_step_ms']:.2f} ms (the "
               f"device busy {dc['in_step_device_ms']:.2f} ms, {dc['in_step_launches']} activities); "
               f"same words: {dc['forms_same_words']}; kernel failed: {dc['kernel_broken']}")
+    sp = doc["step_split"]
+    print(f"  a steady step, unwatched / watched: wall {sp['none']['wall_ms']:.2f} / {sp['capture']['wall_ms']:.2f} ms, "
+          f"the device busy {sp['none']['device_ms']:.2f} / {sp['capture']['device_ms']:.2f} ms, "
+          f"{sp['none']['activities']:.0f} / {sp['capture']['activities']:.0f} activities (profiled)")
     ins = doc["in_step"]
     print(f"  digests inside the step: {ins['digest_steps']} steps of the last watched run"
           + (f" (turned off: {ins['off']})" if ins["off"] else ""))
