@@ -17,8 +17,21 @@ def test_segments_ab_times_both_arms_and_proves_the_candidate_ran(tmp_path, caps
     assert one["events_per_step"] == one["events_expected"] == 0          # one prompt: nothing to batch
     assert three["events_per_step"] == three["events_expected"] == 3 * 8  # k3-mini: 8 mixer layers
     assert three["repeats"] == 2 and three["ci95"][0] <= three["ratio"] <= three["ci95"][1]
+    assert one["warm"] is True and three["warm"] is True
     out = capsys.readouterr().out
     assert "| 3 |" in out and json.loads(out.strip().splitlines()[-1])["cells"][1]["prompts"] == 3
+
+
+def test_the_warm_step_counts_only_its_own_segments_and_cold_is_the_first_step():
+    """Warm: the engine prefilled (and finished) a batch before the timed step; the events returned are
+    the timed step's alone (the warm batch fired as many again). Cold: a fresh engine's first step."""
+    from optimized_stack import load_model
+    model = load_model("k3-mini")
+    prompts = [[5] * 9, [7] * 11, [9] * 6]
+    base = ["batched_decode", "prefill_batched_mixers"]
+    for warm in (True, False):
+        seconds, fired = segments_ab.prefill_step(model, base, prompts, warm=warm)
+        assert seconds > 0 and fired == 3 * 8, (warm, fired)
 
 
 def test_bad_arguments_are_one_line_and_exit_2(tmp_path, capsys):

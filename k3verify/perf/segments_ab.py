@@ -2,11 +2,13 @@
 process (issue 27 item 3: a fast prefill for many requests, the agentic and GSM8K shape).
 
     python -m k3verify.perf.segments_ab --out DIR [--model k3-mini] [--device cpu] [--dtype float32]
-        [--prompts 1,4,16] [--tokens 64] [--repeats 5] [--base batched_decode]
+        [--prompts 1,4,16] [--tokens 64] [--repeats 5] [--base batched_decode] [--cold]
 
-Each cell builds an engine over `base` (+ prefill_batched_mixers on the candidate side), adds K
-prompts of `tokens` tokens and times the first step, which prefills all of them in one forward_batch
-(K segments), interleaved A/B (perf/ab.py) after an untimed warm pair; the candidate's event count
+Each cell builds an engine over `base` (+ prefill_batched_mixers on the candidate side), prefills and
+finishes a first batch of K other prompts untimed, then adds K prompts of `tokens` tokens and times the
+step that prefills all of them in one forward_batch (K segments); `--cold` times a fresh engine's
+first step instead (the engine's set-up inside both arms). Interleaved A/B (perf/ab.py) after an
+untimed warm pair; the candidate's event count in the timed step
 proves its path ran (K segments a KDA or MLA layer). Speed only: whether the speedup counts is the
 gates' verdict (`k3verify diff --toggle prefill_batched_mixers`). Writes DIR/segments_ab.json and
 prints a table, then one line of JSON.
@@ -30,16 +32,27 @@ from .ab import interleaved
 from .gpu_bench import sync
 
 
-def prefill_step(model, names: list[str], prompts: list[list[int]]) -> tuple[float, int]:
-    """(seconds of the engine step that prefills every prompt, prefill_batched_mixers events fired)."""
+def prefill_step(model, names: list[str], prompts: list[list[int]], warm: bool = True) -> tuple[float, int]:
+    """(seconds of the engine step that prefills every prompt, prefill_batched_mixers events fired in
+    it). `warm` (the default): the timed step is the engine's second prefill of a batch like it, after
+    a first batch of other prompts was prefilled and finished untimed, so the engine's first-step
+    set-up (pools, the paged cache, the first forward's host work) stays out of both arms. Cold (the
+    form before 2026-12-07's device call): the fresh engine's first step, whose fixed cost sits in both
+    arms and pulls the ratio toward 1 (k3-small on the H100: 185 ms for one 256-token prompt)."""
     with toggles.applied(names) as ap:
         opts = EngineOptions.from_dict({**ap.engine_for(model.device), "max_num_seqs": len(prompts),
                                         "kda_pool_slots": len(prompts),
                                         "token_budget": sum(len(p) for p in prompts) + len(prompts)})
     eng = Engine(model, opts)
-    for i, p in enumerate(prompts):
-        eng.add_request(p, SamplingParams(max_new_tokens=2, ignore_eos=True), request_id=f"p{i}")
     with torch.no_grad():
+        if warm:                             # other tokens, the same lengths: no shared prefix to reuse
+            for i, p in enumerate(prompts):
+                eng.add_request([(t + 1) % 256 for t in p], SamplingParams(max_new_tokens=1, ignore_eos=True),
+                                request_id=f"w{i}")
+            eng.run()
+        before = eng.events.get("prefill_batched_mixers", 0)
+        for i, p in enumerate(prompts):
+            eng.add_request(p, SamplingParams(max_new_tokens=2, ignore_eos=True), request_id=f"p{i}")
         sync()
         t0 = time.perf_counter()
         out = eng.step()
@@ -47,22 +60,22 @@ def prefill_step(model, names: list[str], prompts: list[list[int]]) -> tuple[flo
         seconds = time.perf_counter() - t0
     assert len(out) == len(prompts) and all(o.num_tokens == len(p) for o, p in zip(out, prompts)), \
         "the step did not prefill every prompt whole: the arms would time different work"
-    return seconds, eng.events.get("prefill_batched_mixers", 0)
+    return seconds, eng.events.get("prefill_batched_mixers", 0) - before
 
 
-def cell(model, base: list[str], k: int, tokens: int, repeats: int) -> dict:
+def cell(model, base: list[str], k: int, tokens: int, repeats: int, warm: bool = True) -> dict:
     gen = torch.Generator().manual_seed(k)
     prompts = [torch.randint(0, 256, (tokens,), generator=gen).tolist() for _ in range(k)]
     fired: list[int] = []
 
     def candidate() -> float:
-        s, n = prefill_step(model, base + ["prefill_batched_mixers"], prompts)
+        s, n = prefill_step(model, base + ["prefill_batched_mixers"], prompts, warm)
         fired.append(n)
         return s
-    ab = interleaved(lambda: prefill_step(model, base, prompts)[0], candidate, repeats=repeats,
+    ab = interleaved(lambda: prefill_step(model, base, prompts, warm)[0], candidate, repeats=repeats,
                      tokens=k * tokens, labels=("per segment", "batched mixers"), self_timed=True)
     layers = len(model.config.layer_kinds)
-    return {"prompts": k, "tokens": tokens, **ab.to_dict(), "events_per_step": fired[-1],
+    return {"prompts": k, "tokens": tokens, "warm": warm, **ab.to_dict(), "events_per_step": fired[-1],
             "events_expected": k * layers if k > 1 else 0}
 
 
@@ -76,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--base", default="batched_decode", help="the `+`-joined toggles both arms run on")
+    ap.add_argument("--cold", action="store_true", help="time a fresh engine's first step (the form before "
+                    "2026-12-07), not a warm engine's second prefill")
     args = ap.parse_args(argv)
     try:
         ks = [int(x) for x in args.prompts.split(",") if x.strip()]
@@ -98,10 +113,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows = []
     for k in ks:
-        rows.append(cell(model, base, k, args.tokens, args.repeats))
+        rows.append(cell(model, base, k, args.tokens, args.repeats, warm=not args.cold))
         atomic_write_json(args.out / "segments_ab.json", {"model": args.model, "device": args.device,
                                                           "dtype": args.dtype, "base": base, "cells": rows})
-    print(f"prefill step of K prompts x {args.tokens} tokens, {args.model} {args.dtype} {args.device}, "
+    print(f"{'a fresh engine' if args.cold else 'a warm engine'}'s step prefilling K prompts x {args.tokens} tokens, "
+          f"{args.model} {args.dtype} {args.device}, "
           f"base {'+'.join(base)}: per segment vs prefill_batched_mixers ({args.repeats} interleaved rounds)")
     print("| K | per segment ms | batched ms | speedup [95% CI] | events / expected |")
     print("|---|---|---|---|---|")
