@@ -317,10 +317,10 @@ def fit(model, opt: torch.optim.Optimizer, steps: Iterable[Step], cfg: LoopConfi
     the schedule's elapsed fraction (a curriculum reads it); evaluate(model, ops) runs every
     cfg.eval_every_s and at the end, each time followed by checkpoint(metrics).
 
-    The run stops cfg.minutes after it starts, but the schedule (warmup, cosine, curriculum)
-    spans the time after the first step: that step compiles the kernels (fla's chunk_kda with
-    its backward: 272 s of a 450 s run on a fresh H100, 2026-12-07, whose cosine had decayed
-    the peak rate to a third before the second step).
+    The run stops cfg.minutes after it starts, but the cosine, the curriculum and the evals'
+    clock start after the first step: that step compiles the kernels (fla's chunk_kda with its
+    backward: 272 s of a 450 s run on a fresh H100, 2026-12-07, whose cosine had decayed the
+    peak rate to a third before the second step). The warmup counts steps, as before.
     """
     weights = weights or {}
     model.to(cfg.device).train()
@@ -377,7 +377,7 @@ def fit(model, opt: torch.optim.Optimizer, steps: Iterable[Step], cfg: LoopConfi
             ops.loads.clear()
         step += 1
         if step == 1:
-            schedule_start = time.time()
+            schedule_start = last_eval = time.time()     # no eval of a one-step model for the compile's sake
             say(f"first step (compile included) {schedule_start - start:.0f}s; the schedule spans the "
                 f"{max(0.0, deadline - schedule_start):.0f}s left")
         if step % 50 == 0 or step == 1:
