@@ -72,13 +72,16 @@ def test_launch_sites_sum_device_time_by_the_model_line():
         # controls: no device time counts nowhere; launched from outside the model, or with no
         # stack (a Triton launch outside any aten op), goes to the last row
         SimpleNamespace(device_type=cpu, self_device_time_total=0.0, name="aten::add", stack=[line]),
-        SimpleNamespace(device_type=cpu, self_device_time_total=900.0, name="aten::add", stack=["/x/k3verify/a.py(1): f"]),
-        SimpleNamespace(device_type=cpu, self_device_time_total=100.0, name="cuLaunchKernel", stack=[])]
+        SimpleNamespace(device_type=cpu, self_device_time_total=900.0, name="aten::add", stack=["/x/k3verify/a.py(1): f"])]
+    # the device's own events: the kernels above (6.5 + 0.9 ms) and a Triton launch no CPU op owns (0.1 ms)
+    cuda = torch.autograd.DeviceType.CUDA
+    events += [SimpleNamespace(device_type=cuda, device_time=us, name="k", stack=[]) for us in (6500.0, 900.0, 100.0)]
     rows = sp.launch_sites(SimpleNamespace(events=lambda: events)).splitlines()
     assert len(rows) == 3
     assert rows[0].split() == ["6.000", "ms", "3", "model/moe.py(53)", "aten::_to_copy"]
     assert rows[1].split()[:4] == ["0.500", "ms", "1", "model/kda.py(180)"]
-    assert rows[2].split()[:2] == ["1.000", "ms"] and "no optimized_stack op" in rows[2]
+    # 7.5 ms on the device, 6.5 owned by model lines: the k3verify op's 0.9 and the orphan launch's 0.1
+    assert rows[2].split()[:2] == ["1.000", "ms"] and "no optimized_stack op" in rows[2] and "7.500 ms in all" in rows[2]
 
 
 def test_launch_sites_refuses_a_profile_without_stacks():

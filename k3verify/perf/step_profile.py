@@ -68,20 +68,27 @@ def _ms(fn, repeats: int) -> float:
 
 def launch_sites(prof, top: int = 40, time_of=None) -> str:
     """The profiled device time by the innermost optimized_stack frame of the op that launched it:
-    'ms  launches  file:line  op' rows, most device time first, then the device time no such op
-    owns (kernels launched outside an aten op: this repository's and fla's Triton launches).
-    `time_of(event)` is an op's own time in us, default its own device time (a kernel counts once,
-    for the innermost op that launched it); a CPU test passes the CPU time. The profile needs
-    with_stack and STACKS_CONFIG: without the verbose experimental config torch 2.11-2.13 record
-    no stacks in events() (the first H100 call of --sites, 2026-12-07, printed an empty table)."""
+    'ms  launches  file:line  op' rows, most device time first, then the device time no such op owns.
+    A kernel is attached only to the frontend op that launched it (torch links them through the op's
+    correlation id), so a Triton launch outside any aten op or autograd.Function (this repository's
+    kernels, fla's _fwd entry points) has no CPU event: the last row is the device's own total (its
+    CUDA events) less what the rows own. `time_of(event)` is an op's own time in us, default its own
+    device time (a kernel counts once, for the innermost op); a CPU test passes the CPU time, and the
+    total is then the CPU events' own. The profile needs with_stack and STACKS_CONFIG: without the
+    verbose experimental config torch 2.11-2.13 record no stacks in events() (the first H100 call of
+    --sites, 2026-12-07, printed an empty table)."""
+    device = time_of is None
     time_of = time_of or (lambda e: getattr(e, "self_device_time_total", 0.0) or 0.0)
     by: dict[tuple[str, str], list[float]] = {}
     stacks = owned = total = 0.0
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CPU:
+            if device:
+                total += getattr(e, "device_time", 0.0) or 0.0        # a kernel, memcpy or memset
             continue
         own = time_of(e)
-        total += own
+        if not device:
+            total += own
         stacks += bool(e.stack)
         frames = [f for f in (e.stack or []) if "optimized_stack/" in f]
         if not own or not frames:
@@ -96,8 +103,8 @@ def launch_sites(prof, top: int = 40, time_of=None) -> str:
                            "and experimental_config=STACKS_CONFIG())")
     rows = sorted(by.items(), key=lambda kv: -kv[1][0])[:top]
     lines = [f"{ms:8.3f} ms {n:6d}  {site}  {name}" for (site, name), (ms, n) in rows]
-    lines.append(f"{(total - owned) / 1e3:8.3f} ms          (no optimized_stack op: launched outside "
-                 f"an aten op, or from outside the model)")
+    lines.append(f"{(total - owned) / 1e3:8.3f} ms          (no optimized_stack op: launched outside an "
+                 f"aten op, or from outside the model; of {total / 1e3:.3f} ms in all)")
     return "\n".join(lines)
 
 
