@@ -270,3 +270,14 @@ def test_a_kda_decode_op_with_a_rows_form_runs_once_over_the_rows(monkeypatch, w
         assert torch.equal(o[i], o_ref[0]) and torch.equal(work[s], s_ref), f"request {i}"
     untouched = sorted(set(range(b + 3)) - set(slots.tolist()))
     assert torch.equal(work[untouched], pool[untouched])
+
+
+def test_the_fla_decode_toggles_have_rows_forms_and_their_mutants_do_not():
+    """The real mapping (the test above patches it): kda_fla_chunk's and kda_fla_recurrent's decode ops
+    take a rows form; their mutants' ops (partials of the same forms) run one request at a time."""
+    from optimized_stack import toggles
+    from optimized_stack.engine.fast.kda_step import ROW_FORMS
+    for name in ("kda_fla_chunk", "kda_fla_recurrent"):
+        assert toggles.base_form(toggles.get(name).ops["kda_decode"]) in ROW_FORMS, name
+    for name in ("mut_fla_chunk_drops_state", "mut_fla_recurrent_state_transposed"):
+        assert toggles.base_form(toggles.get(name).ops["kda_decode"]) not in ROW_FORMS, name

@@ -133,8 +133,8 @@ def engine_capture_overhead(model, names: tuple[str, ...], *, batch: int, contex
                                           make=lambda: Capture(in_step=False)),
                                   repeats=repeats, tokens=steady_tokens, self_timed=True,
                                   labels=("no capture", "capture, calls after the step"))
-        split = {"none": step_split(model, opts, donor, batch, new_tokens, ()),
-                 "capture": step_split(model, opts, donor, batch, new_tokens, (Capture(),))}
+        split = {"none": step_split(model, opts, donor, batch, ()),
+                 "capture": step_split(model, opts, donor, batch, (Capture(),))}
     rows = sum(len(rc.logits) for rc in captures[-1].requests.values()) if captures else 0
     steps = new_tokens - 1
     doc = {**_overhead(ab), "timed": f"decode steps 2..{new_tokens} (the first step and the set-up are not timed)",
@@ -239,20 +239,30 @@ def digest_cost(model, batch: int, reps: int = 10) -> dict:
     return out
 
 
-def step_split(model, opts, donor, batch: int, new_tokens: int, observers: tuple, steps: int = 6) -> dict:
+def step_split(model, opts, donor, batch: int, observers: tuple, steps: int = 6) -> dict:
     """Where a steady decode step's time goes, watched or not: per step (after the first, which
-    captures the graphs) the wall ms, the device's busy ms (the sum of its kernels and copies,
-    torch.profiler) and their difference, the host's share that the device did not cover. The
-    capture's extra wall time a step, set beside its extra device time, says whether the lever is
-    the digest kernels or the host work around them (session 23: +2.47 ms a step at B = 64, of
-    which the digest kernels measured alone were 0.87 ms)."""
-    eng = seeded_engine(model, opts, donor, batch, max(new_tokens, steps + 2), observers)
+    captures the graphs) the wall ms of `steps` steps run without the profiler, the device's busy
+    ms of `steps` more under it (the sum of its kernels and copies: torch.profiler's start, stop and
+    parsing stay out of the wall), and their difference, the host's share the device did not cover.
+    The capture's extra wall time a step, set beside its extra device time, says whether the lever is
+    the digest kernels or the host work around them (session 23: +2.47 ms a step at B = 64, of which
+    the digest kernels measured alone were 0.87 ms). Kernels on two streams that overlap are counted
+    twice in the busy time: a bound, not a timeline."""
+    import dataclasses
+    new_tokens = 2 * steps + 3              # the set-up step, the two runs, and a spare: no request finishes inside
+    if opts.device_cache_tokens:
+        opts = dataclasses.replace(opts, device_cache_tokens=cache_tokens_for(batch, len(donor.ids), new_tokens))
+    eng = seeded_engine(model, opts, donor, batch, new_tokens, observers)
     eng.step()                                       # graphs captured, kernels chosen
     sync()
     t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    sync()
+    wall = 1e3 * (time.perf_counter() - t0) / steps
     device_ms, activities = _device_time(lambda: [eng.step() for _ in range(steps)])
-    wall_ms = 1e3 * (time.perf_counter() - t0)
-    wall, device = wall_ms / steps, device_ms / steps
+    device = device_ms / steps
+    assert not eng.results, "a request finished inside the profiled steps: the arms would time other work"
     watched = sum(len(rc.logits) for obs in observers for rc in obs.requests.values())   # the evidence
     return {"steps": steps, "wall_ms": wall, "device_ms": device, "host_uncovered_ms": wall - device,
             "activities": activities / steps, "captured_logits_rows": watched}
