@@ -112,6 +112,22 @@ def test_grouped_words_are_each_tensors_own(monkeypatch):
     assert sorted(launches) == [1, 1, 2, 4], launches
 
 
+@pytest.mark.parametrize("rows", [1, 3, 8, 64])
+def test_rows_a_program_change_no_word(rows):
+    """The grouped launch's programs take `rows` rows of a block each (the default ROWS_PER_PROGRAM to
+    read the block's constants once per program): every tensor's words stay the torch form's, for
+    row counts that do and do not divide the launch's rows, indexed pool rows among them."""
+    from k3verify.compare.digest_kernel import ROWS_PER_PROGRAM, summary_words_many
+    assert ROWS_PER_PROGRAM > 1
+    ts = _mixed(2)
+    got = [w.cpu() for w in summary_words_many(ts, rows_per_program=rows)]
+    assert all(_same(a, _torch(t, rows=True)) for a, t in zip(got, ts))
+    pool = torch.randn(9, 3, 5, 4, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    slots = torch.tensor([8, 0, 3, 3, 5], device=DEVICE)
+    (w,) = summary_words_many([pool], [slots], rows_per_program=rows)
+    assert _same(w.cpu(), _torch(pool.index_select(0, slots), rows=True))
+
+
 def test_negative_control_a_changed_element_changes_only_its_tensors_row():
     ts = _mixed(1)
     other = [t.clone() for t in ts]
@@ -172,7 +188,8 @@ def test_the_benchs_digest_cost_runs_every_form_and_finds_their_words_equal():
     # model or under the interpreter (the first GPU run of this test loaded it on the CPU and failed)
     dc = digest_cost(load_model("k3-mini", device=DEVICE), batch=2, reps=1)
     assert dc["forms_same_words"] is True and dc["kernel_broken"] is None
-    assert {"stack_and_digest_grouped_ms", "stack_and_digest_per_element_mod_ms", "in_step_ms"} <= set(dc)
+    assert {"stack_and_digest_grouped_ms", "stack_and_digest_per_element_mod_ms", "in_step_ms", "in_step_one_row_ms",
+            "in_step_one_row_device_ms"} <= set(dc)
 
 
 @pytest.mark.parametrize("fault", ["raises", "differs"])

@@ -92,21 +92,25 @@ def _digest_many_ranges(h0, f0, i0, nh0, nf0, hs0, fs0, h1, f1, i1, nh1, nf1, hs
                         h2, f2, i2, nh2, nf2, hs2, fs2, h3, f3, i3, nh3, nf3, hs3, fs3,
                         a0, b0, a1, b1, a2, b2, a3, b3, lo, c_ptr, c_stride, out_ptr,
                         SHIFT: tl.constexpr, HAS_F: tl.constexpr, H_PER_F: tl.constexpr, UPCAST: tl.constexpr,
-                        INDEXED: tl.constexpr, SLOTS: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr):
+                        INDEXED: tl.constexpr, SLOTS: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr,
+                        ROWS: tl.constexpr):
     """Up to four tensors of one kind (the same constexprs) in one launch. Program (i, blk) takes
-    block blk of row g = lo + i of the words buffer, in the slot whose rows [a_s, b_s) hold it."""
-    g = lo + tl.program_id(0)
-    _digest_slot(h0, f0, i0, c_ptr, out_ptr, nh0, nf0, hs0, fs0, c_stride, g, a0, b0,
-                 SHIFT, HAS_F, H_PER_F, UPCAST, INDEXED, P, BLOCK)
-    if SLOTS > 1:
-        _digest_slot(h1, f1, i1, c_ptr, out_ptr, nh1, nf1, hs1, fs1, c_stride, g, a1, b1,
+    block blk of rows g = lo + i * ROWS + r (r < ROWS) of the words buffer, each in the slot whose rows
+    [a_s, b_s) hold it: the ROWS rows read the same block of constants (64 KB at BLOCK 4096), which
+    the program's first row brings into its SM's L1 for the others."""
+    for r in range(ROWS):
+        g = lo + tl.program_id(0) * ROWS + r
+        _digest_slot(h0, f0, i0, c_ptr, out_ptr, nh0, nf0, hs0, fs0, c_stride, g, a0, b0,
                      SHIFT, HAS_F, H_PER_F, UPCAST, INDEXED, P, BLOCK)
-    if SLOTS > 2:
-        _digest_slot(h2, f2, i2, c_ptr, out_ptr, nh2, nf2, hs2, fs2, c_stride, g, a2, b2,
-                     SHIFT, HAS_F, H_PER_F, UPCAST, INDEXED, P, BLOCK)
-    if SLOTS > 3:
-        _digest_slot(h3, f3, i3, c_ptr, out_ptr, nh3, nf3, hs3, fs3, c_stride, g, a3, b3,
-                     SHIFT, HAS_F, H_PER_F, UPCAST, INDEXED, P, BLOCK)
+        if SLOTS > 1:
+            _digest_slot(h1, f1, i1, c_ptr, out_ptr, nh1, nf1, hs1, fs1, c_stride, g, a1, b1,
+                         SHIFT, HAS_F, H_PER_F, UPCAST, INDEXED, P, BLOCK)
+        if SLOTS > 2:
+            _digest_slot(h2, f2, i2, c_ptr, out_ptr, nh2, nf2, hs2, fs2, c_stride, g, a2, b2,
+                         SHIFT, HAS_F, H_PER_F, UPCAST, INDEXED, P, BLOCK)
+        if SLOTS > 3:
+            _digest_slot(h3, f3, i3, c_ptr, out_ptr, nh3, nf3, hs3, fs3, c_stride, g, a3, b3,
+                         SHIFT, HAS_F, H_PER_F, UPCAST, INDEXED, P, BLOCK)
 
 
 def constants32(m: int, device: torch.device) -> torch.Tensor:
@@ -178,15 +182,23 @@ def summary_words(t: torch.Tensor, rows: bool = False, per_element_mod: bool = F
 
 
 SLOTS = 4      # tensors one launch of _digest_many takes
+# Rows a program of the grouped launch digests, one after another, for the same block. The words are
+# exact integer sums, the same in any grouping. On the H100 (session 23) one row a program read the
+# step's 321 MB in 0.87 ms, ~370 GB/s: a 4096-half block of data (8 KB) comes with 4 x 4096 int32
+# constants (64 KB), which every program of the block fetches from L2 again. Eight rows a program
+# fetch them once per eight.
+ROWS_PER_PROGRAM = 8
 
 
-def summary_words_many(ts: list[torch.Tensor], index: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
+def summary_words_many(ts: list[torch.Tensor], index: list[torch.Tensor | None] | None = None,
+                       rows_per_program: int = ROWS_PER_PROGRAM) -> list[torch.Tensor]:
     """[summary_words(t, rows=True) for t in ts], the same words, with one words buffer for all of
     them and one launch per up to SLOTS tensors of one kind (dtype class and byte parity), not three
     launches per tensor: a step's capture launches were its cost (NOTES.md, session 21). A tensor past
     the launch grid's limits takes its own call (the torch form). `index[i]` (int64 [n], or None): the
     words of ts[i]'s rows index[i] read in place, as summary_words(ts[i][index[i]], rows=True) gives
-    them without the gathered copy (the engine's in-step digests over its state pool)."""
+    them without the gathered copy (the engine's in-step digests over its state pool).
+    `rows_per_program`: ROWS_PER_PROGRAM, or another count for the bench's A/B (the same words)."""
     if not ts:
         return []
     index = index or [None] * len(ts)
@@ -209,12 +221,12 @@ def summary_words_many(ts: list[torch.Tensor], index: list[torch.Tensor | None] 
     for key, members in groups.items():
         for k in range(0, len(members), SLOTS):
             _launch_group([preps[i] for i in members[k:k + SLOTS]], [starts[i] for i in members[k:k + SLOTS]],
-                          key, c, out)
+                          key, c, out, rows_per_program)
     return result
 
 
 def _launch_group(preps: list[_Prepared], starts: list[int], key: tuple, c: torch.Tensor,
-                  out: torch.Tensor) -> None:
+                  out: torch.Tensor, rows_per_program: int = ROWS_PER_PROGRAM) -> None:
     """One launch for 1..SLOTS prepared tensors of one kind, whose rows start at `starts` in `out`.
     The launch spans out's rows from the first slot's start to the last slot's end; a row in between
     that belongs to another group lies in no slot's range and is left to that group's launch."""
@@ -225,7 +237,7 @@ def _launch_group(preps: list[_Prepared], starts: list[int], key: tuple, c: torc
     while len(slots) < SLOTS:                       # unused slots: an empty range, never taken
         slots.append(slots[0])
         ranges.append((0, 0))
-    grid = (hi - lo, max(p.blocks(BLOCK) for p in preps))
+    grid = (triton.cdiv(hi - lo, rows_per_program), max(p.blocks(BLOCK) for p in preps))
     _digest_many_ranges[grid](*[a for slot in slots for a in slot], *[r for rg in ranges for r in rg], lo, c,
                               c.stride(0), out, SHIFT=shift, HAS_F=has_f, H_PER_F=h_per_f, UPCAST=upcast,
-                              INDEXED=indexed, SLOTS=len(preps), P=dd.P, BLOCK=BLOCK)
+                              INDEXED=indexed, SLOTS=len(preps), P=dd.P, BLOCK=BLOCK, ROWS=rows_per_program)

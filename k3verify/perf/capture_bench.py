@@ -191,6 +191,9 @@ def digest_cost(model, batch: int, reps: int = 10) -> dict:
             return out + [words(logits, "default")]
         if form == "in_step":                       # what the fast step launches: every tensor, read in place
             return device_digest.StepDigester().words([logits] + pools, [None] + [slots] * len(pools))
+        if form == "in_step_one_row":               # the same, one row a program (the form before session 23)
+            from k3verify.compare.digest_kernel import summary_words_many
+            return summary_words_many([logits] + pools, [None] + [slots] * len(pools), rows_per_program=1)
         for rows in views:
             t = torch.stack(rows) if stack or form else None
             if form:
@@ -204,6 +207,7 @@ def digest_cost(model, batch: int, reps: int = 10) -> dict:
         arms.append(("stack_and_digest_per_element_mod_ms", True, "per_element_mod"))
         arms.append(("stack_and_digest_grouped_ms", True, "grouped"))
         arms.append(("in_step_ms", False, "in_step"))
+        arms.append(("in_step_one_row_ms", False, "in_step_one_row"))
     times: dict[str, list[float]] = {name: [] for name, _, _ in arms}
     for name, stack, form in arms:                   # compile and warm every form first
         one_step(stack, form)
@@ -226,13 +230,16 @@ def digest_cost(model, batch: int, reps: int = 10) -> dict:
         out["stack_and_digest_grouped_device_ms"], out["stack_and_digest_grouped_launches"] = _device_time(
             lambda: one_step(True, "grouped"))
         out["in_step_device_ms"], out["in_step_launches"] = _device_time(lambda: one_step(False, "in_step"))
+        out["in_step_one_row_device_ms"], _ = _device_time(lambda: one_step(False, "in_step_one_row"))
         a, b, c = one_step(True, "default"), one_step(True, "per_element_mod"), one_step(True, "grouped")
         d = one_step(False, "in_step")
         d = d[1:] + d[:1]                            # logits first there, last in the others
+        e = one_step(False, "in_step_one_row")
+        e = e[1:] + e[:1]
         out["kernel_broken"] = device_digest._KERNEL_BROKEN        # None: the default arm ran the kernel
         out["grouped_broken"] = device_digest._GROUPED_BROKEN      # None: the grouped arm ran grouped
         same = device_digest.same_words
-        out["forms_same_words"] = same(a, b) and same(a, c) and same(a, d)
+        out["forms_same_words"] = same(a, b) and same(a, c) and same(a, d) and same(a, e)
     out["tensors_a_step"] = len(views) + 1
     out["bytes_a_step"] = batch * sum(t.numel() * t.element_size() for kda in st.kda.values()
                                       for t in kda.tensors().values()) + logits.numel() * 4
@@ -337,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
               f"a layer's tensors grouped {dc['stack_and_digest_grouped_ms']:.2f} ms (the device busy "
               f"{dc['stack_and_digest_grouped_device_ms']:.2f} ms, {dc['stack_and_digest_grouped_launches']} "
               f"activities); the step's in-place form (what a graph replays) {dc['in_step_ms']:.2f} ms (the "
-              f"device busy {dc['in_step_device_ms']:.2f} ms, {dc['in_step_launches']} activities); "
+              f"device busy {dc['in_step_device_ms']:.2f} ms, {dc['in_step_launches']} activities; one row a "
+              f"program: {dc['in_step_one_row_ms']:.2f} ms, the device {dc['in_step_one_row_device_ms']:.2f} ms); "
               f"same words: {dc['forms_same_words']}; kernel failed: {dc['kernel_broken']}")
     sp = doc["step_split"]
     print(f"  a steady step, unwatched / watched: wall {sp['none']['wall_ms']:.2f} / {sp['capture']['wall_ms']:.2f} ms, "
