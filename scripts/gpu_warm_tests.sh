@@ -10,7 +10,7 @@
 # 2. the GPU tests (`pytest -m gpu`: the reference on CUDA, the batched capture, the in-step digests,
 #    the fla decode toggles' rows forms;
 #    and the device digest kernel's and the GEMM's tests), which also compile this repository's own
-#    Triton kernels; then the router GEMM's tile probe (perf/gpu_probes.py router_tiles, seconds);
+#    Triton kernels; then the tile probes (perf/gpu_probes.py router_tiles, paged_tiles: seconds);
 # 3. the capture's overhead on the counted engine at B = 16, then 64 (perf/capture_bench.py, the
 #    device digests: issue 27's <= 5% goal), while the call has time. CAPTURE_B (default "16 64") picks
 #    the batches; at the batches in PER_REQUEST_B (default 16) the bench also times the capture through
@@ -50,10 +50,10 @@ if [ "${TESTS:-1}" = 1 ]; then
   since "pytest digest kernel rc=$?"
   tail -3 "$OUT/logs/pytest-digest-kernel.log"
 fi
-# the router GEMM's tiles (perf/gpu_probes.py router_tiles): us a call per tile, bitwise the default's
-timeout "$(limit 90)" python3 -m k3verify.perf.gpu_probes --out "$OUT/logs/probes" --only router_tiles \
+# the router GEMM's tiles and the paged MLA decode kernel's query tiles (perf/gpu_probes.py): us a call, bitwise the reference's
+timeout "$(limit 90)" python3 -m k3verify.perf.gpu_probes --out "$OUT/logs/probes" --only router_tiles,paged_tiles \
   > "$OUT/logs/probes.log" 2>&1
-since "router tiles probe rc=$?"
+since "tile probes rc=$?"
 for b in ${CAPTURE_B-16 64}; do
   [ "$(limit 60)" -lt 60 ] && { since "capture bench B=$b: no time left"; break; }
   extra=(); [[ " ${PER_REQUEST_B-16} " == *" $b "* ]] && extra=(--per-request)

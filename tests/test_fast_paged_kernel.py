@@ -158,3 +158,15 @@ def test_paged_absorbed_matches_fp64_and_is_batch_invariant(lengths, block_size)
         alone = paged_absorbed_attention(q_lat[b:b + 1], q_rope[b:b + 1], rows, tables, slot[b:b + 1], pos[b:b + 1],
                                          C ** -0.5, block_size=block_size)
         assert bit_equal(alone, out[b:b + 1]), f"request {b}: alone != in the batch"
+
+
+def test_the_probes_query_tiles_run_and_agree_to_rounding():
+    """perf/gpu_probes.py paged_tiles at k3-mini's widths: every query-tile height builds and gives the
+    reference tile's output to fp32 rounding (bitwise on the device is the probe's question; the
+    interpreter's dot is numpy's). The reference tile's own row is its identity."""
+    from k3verify.perf.gpu_probes import paged_tile_cells
+    cells = paged_tile_cells(batch=3, keys=70, heads=H, nope=NOPE, rope=ROPE, v_dim=VD, latent=LAT,
+                             block_size=16, device=DEVICE)
+    assert [c["block_m"] for c in cells][1:] == [16, 64] and all("error" not in c for c in cells), cells
+    assert cells[0]["reference_tile"] and cells[0]["bitwise_reference"] and cells[0]["max_abs_diff"] == 0.0
+    assert all(c["max_abs_diff"] < 1e-2 for c in cells), cells

@@ -28,3 +28,8 @@ def test_unknown_probe_is_one_line_and_exit_2(tmp_path, capsys):
 def test_router_tiles_probe_says_it_needs_cuda(tmp_path):
     assert gpu_probes.main(["--out", str(tmp_path), "--only", "router_tiles"]) == 0
     assert json.loads((tmp_path / "gpu_probes.json").read_text())["router_tiles"] == {"skipped": "needs CUDA"}
+
+
+def test_paged_tiles_probe_says_it_needs_cuda(tmp_path):
+    assert gpu_probes.main(["--out", str(tmp_path), "--only", "paged_tiles"]) == 0
+    assert json.loads((tmp_path / "gpu_probes.json").read_text())["paged_tiles"] == {"skipped": "needs CUDA"}

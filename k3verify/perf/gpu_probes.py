@@ -20,7 +20,13 @@ first two were left by the fourth H200 release run (golden/reports/gpu-2026-12-0
    call (CUDA events, median of 5 rounds of 100 calls), and whether each candidate's output is bitwise
    the default tile's (the FMA-chain argument that makes the change bit-neutral on CUDA).
 
-    python -m k3verify.perf.gpu_probes --out DIR [--only scaled_mm,kda_fp32,router_tiles]
+4. `paged_tiles` (2026-12-07): the paged MLA decode kernel at k3-small's widths (8 heads, nope 128,
+   rope 64, Vd 128, latent 512), B = 64 requests of 512 keys, bf16: the reference's query tile
+   (attention.TILES: 32 rows for one real query) against 16 and 64 rows. Microseconds a call, and
+   whether each output is bitwise the reference tile's: if the 16-row tile is, the fast step can take
+   it without touching any contract (the kernel took 184 us a call in the B = 64 step, session 23).
+
+    python -m k3verify.perf.gpu_probes --out DIR [--only scaled_mm,kda_fp32,router_tiles,paged_tiles]
 Writes DIR/gpu_probes.json (rewritten after each probe). The scaled_mm probe also runs on the CPU
 (torch's CPU _scaled_mm takes any shape), kda_fp32 needs CUDA and fla, router_tiles needs CUDA.
 """
@@ -37,7 +43,7 @@ import torch
 
 from ..io import atomic_write_text
 
-PROBES = ("scaled_mm", "kda_fp32", "router_tiles")
+PROBES = ("scaled_mm", "kda_fp32", "router_tiles", "paged_tiles")
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) the router probe tries beside the default and SMALL_N_TILES
 # (16, 16, 32, 4, 2) was SMALL_N_TILES until the probe of 2026-12-07 chose (16, 16, 128, 4, 2)
 ROUTER_CANDIDATES = ((16, 32, 32, 4, 2), (16, 16, 64, 2, 2), (16, 16, 32, 4, 2), (32, 32, 32, 4, 2))
@@ -70,6 +76,56 @@ def router_tile_cells(ms=(64, 256, 2112), k: int = 768, n: int = 32) -> list[dic
                             "bitwise_default": bool(torch.equal(y, ref))})
             except Exception as exc:   # noqa: BLE001 - a tile Triton cannot build is a finding, not a crash
                 out.append({"m": m, "tile": name, "config": list(t), "error": f"{type(exc).__name__}: {exc}"[:300]})
+    return out
+
+
+def _us_a_call(fn, rounds: int = 5, calls: int = 50) -> float:
+    """Median over `rounds` of the CUDA-event time of `calls` calls, in us a call."""
+    times = []
+    for _ in range(rounds):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(calls):
+            fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def paged_tile_cells(batch: int = 64, keys: int = 512, heads: int = 8, nope: int = 128, rope: int = 64,
+                     v_dim: int = 128, latent: int = 512, block_size: int = 64, device: str = "cuda") -> list[dict]:
+    """Per query-tile height: us a call of the paged decode kernel and whether its output is bitwise
+    the reference tile's (attention.TILES), on random pools with each request's blocks scattered."""
+    from optimized_stack.kernels.mla.attention import TILES
+    from optimized_stack.kernels.mla.paged import paged_decode_attention
+    gen = torch.Generator().manual_seed(0)
+    per = -(-keys // block_size)
+    n_blocks = batch * per
+    dt = torch.bfloat16
+    rows = torch.randn(n_blocks * block_size, latent + rope, generator=gen).to(dt).to(device)
+    kv = torch.randn(n_blocks * block_size, heads * (nope + v_dim), generator=gen).to(dt).to(device)
+    tables = torch.randperm(n_blocks, generator=gen).to(torch.int32).view(batch, per).to(device)
+    q = torch.randn(batch, heads, nope + rope, generator=gen).to(dt).to(device)
+    slot = torch.arange(batch, device=device)
+    pos = torch.full((batch,), keys - 1, device=device)
+
+    def call(block_m=None):
+        return paged_decode_attention(q, rows, kv, tables, slot, pos, (nope + rope) ** -0.5, nope=nope,
+                                      v_dim=v_dim, block_size=block_size, _block_m=block_m)
+    ref = call()
+    out = []
+    for block_m in (TILES[dt][0], 16, 64):
+        try:
+            y = call(block_m)
+            cell = {"block_m": block_m, "reference_tile": block_m == TILES[dt][0],
+                    "bitwise_reference": bool(torch.equal(y, ref)),
+                    "max_abs_diff": float((y - ref).abs().max())}
+            if device == "cuda":
+                cell["us"] = _us_a_call(lambda: call(block_m))
+            out.append(cell)
+        except Exception as exc:   # noqa: BLE001 - a tile Triton cannot build is a finding, not a crash
+            out.append({"block_m": block_m, "error": f"{type(exc).__name__}: {exc}"[:300]})
     return out
 
 
@@ -183,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
         save()
     if "router_tiles" in only:
         doc["router_tiles"] = router_tile_cells() if device == "cuda" else {"skipped": "needs CUDA"}
+        save()
+    if "paged_tiles" in only:
+        doc["paged_tiles"] = paged_tile_cells() if device == "cuda" else {"skipped": "needs CUDA"}
         save()
     if "kda_fp32" in only:
         if device != "cuda":

@@ -89,11 +89,14 @@ def _paged_decode_kernel(q_ptr, rows_ptr, kv_ptr, table_ptr, slot_ptr, pos_ptr, 
 def paged_decode_attention(q: torch.Tensor, rows: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor,
                            slot: torch.Tensor, pos: torch.Tensor, scale: float, *, nope: int, v_dim: int,
                            block_size: int, out: torch.Tensor | None = None,
-                           _shift_table: int = 0) -> torch.Tensor:
+                           _shift_table: int = 0, _block_m: int | None = None) -> torch.Tensor:
     """q [B, H, C]; rows [N*bs, R]; kv [N*bs, H*(nope+Vd)]; tables [slots, max_blocks] int32/int64;
     slot [B], pos [B] (request b's query sits at pos[b] and sees its keys 0..pos[b]) -> [B, H, Vd]
     fp32. Shapes and dtypes are checked here; the values of slot / pos / tables are not read on
-    the host (no sync: the caller builds them). `_shift_table` only for the negative control."""
+    the host (no sync: the caller builds them). `_shift_table` only for the negative control;
+    `_block_m` only for perf/gpu_probes.py paged_tiles: a query tile of another height than the
+    reference's (a decode's one query pads the tile: at B = 64 on k3-small the kernel took 184 us a
+    call, 15% of the step's device time, session 23), whose bits the probe compares with these."""
     if q.dim() != 3:
         fail(f"q must be 3-D [B, H, C], got shape {list(q.shape)}")
     b_len, h, c = q.shape
@@ -122,6 +125,7 @@ def paged_decode_attention(q: torch.Tensor, rows: torch.Tensor, kv: torch.Tensor
     if q.stride(-1) != 1 or rows.stride(-1) != 1 or kv.stride(-1) != 1 or tables.stride(-1) != 1:
         fail("q, rows, kv and tables must be contiguous in their last dimension")
     block_m, warps, stages = TILES[q.dtype]
+    block_m = _block_m or block_m
     upcast = interpreting() and q.dtype != torch.float32
     _paged_decode_kernel[(b_len, h)](
         q, rows, kv, tables, slot, pos, out, c, nope, v_dim, lat, float(scale),
