@@ -112,20 +112,43 @@ def test_grouped_words_are_each_tensors_own(monkeypatch):
     assert sorted(launches) == [1, 1, 2, 4], launches
 
 
+def test_rows_a_program_keep_every_sm_busy_and_refuse_zero():
+    """The grouped launch takes up to ROWS_PER_PROGRAM rows a program, a power of two, only while the
+    launch keeps ~4 programs an SM (one SM off the GPU: the interpreter's device)."""
+    from k3verify.compare.digest_kernel import _rows_a_program
+    cpu = torch.device("cpu")
+    assert _rows_a_program(256, 64, 8, cpu) == 8          # a KDA layer's four pool tensors at B = 64
+    assert _rows_a_program(3, 1, 8, cpu) == 1             # 3 programs: none to spare
+    assert _rows_a_program(16, 1, 8, cpu) == 4            # 16 -> 4 programs, the floor
+    assert _rows_a_program(256, 64, 3, cpu) == 2          # a power of two, at most the asked count
+    with pytest.raises(ValueError, match="rows_per_program must be >= 1"):
+        _rows_a_program(8, 1, 0, cpu)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 8, 64])
 def test_rows_a_program_change_no_word(rows):
     """The grouped launch's programs take `rows` rows of a block each (the default ROWS_PER_PROGRAM to
     read the block's constants once per program): every tensor's words stay the torch form's, for
     row counts that do and do not divide the launch's rows, indexed pool rows among them."""
+    from k3verify.compare import digest_kernel
     from k3verify.compare.digest_kernel import ROWS_PER_PROGRAM, summary_words_many
     assert ROWS_PER_PROGRAM > 1
-    ts = _mixed(2)
-    got = [w.cpu() for w in summary_words_many(ts, rows_per_program=rows)]
-    assert all(_same(a, _torch(t, rows=True)) for a, t in zip(got, ts))
-    pool = torch.randn(9, 3, 5, 4, generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    slots = torch.tensor([8, 0, 3, 3, 5], device=DEVICE)
-    (w,) = summary_words_many([pool], [slots], rows_per_program=rows)
-    assert _same(w.cpu(), _torch(pool.index_select(0, slots), rows=True))
+    taken = []
+    real = digest_kernel._rows_a_program
+    digest_kernel._rows_a_program = lambda *a: taken.append(real(*a)) or taken[-1]
+    try:
+        g = torch.Generator().manual_seed(3)
+        ts = _mixed(2) + [torch.randn(70, 33, generator=g).to(DEVICE)]     # 70 rows: eight a program, a ragged end
+        got = [w.cpu() for w in summary_words_many(ts, rows_per_program=rows)]
+        assert all(_same(a, _torch(t, rows=True)) for a, t in zip(got, ts))
+        pool = torch.randn(9, 3, 5, 4, generator=g).to(DEVICE)
+        slots = torch.randint(0, 9, (40,), generator=g).to(DEVICE)                # repeats, any order
+        (w,) = summary_words_many([pool], [slots], rows_per_program=rows)
+        assert _same(w.cpu(), _torch(pool.index_select(0, slots), rows=True))
+    finally:
+        digest_kernel._rows_a_program = real
+    # the grouping did vary: 70 rows of one block keep >= 4 programs up to 16 rows a program
+    assert max(taken) == {1: 1, 3: 2, 8: 8, 64: 16}[rows], taken
 
 
 def test_negative_control_a_changed_element_changes_only_its_tensors_row():

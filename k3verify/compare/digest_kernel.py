@@ -187,7 +187,7 @@ SLOTS = 4      # tensors one launch of _digest_many takes
 # step's 321 MB in 0.87 ms, ~370 GB/s: a 4096-half block of data (8 KB) comes with 4 x 4096 int32
 # constants (64 KB), which every program of the block fetches from L2 again. Eight rows a program
 # fetch them once per eight.
-ROWS_PER_PROGRAM = 8
+ROWS_PER_PROGRAM = 8      # at most: a small launch takes fewer (_rows_a_program), so every SM has work
 
 
 def summary_words_many(ts: list[torch.Tensor], index: list[torch.Tensor | None] | None = None,
@@ -225,6 +225,19 @@ def summary_words_many(ts: list[torch.Tensor], index: list[torch.Tensor | None] 
     return result
 
 
+def _rows_a_program(rows: int, blocks: int, most: int, device: torch.device) -> int:
+    """Rows a program for a launch of rows x blocks: up to `most`, a power of two, but never so many
+    that the launch has fewer than ~4 programs an SM (a B = 64 logits launch has 64 x 16 blocks:
+    eight rows a program would leave 128 programs for 132 SMs). The words do not depend on it."""
+    if most < 1:
+        raise ValueError(f"rows_per_program must be >= 1, got {most}")
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    r = 1
+    while r * 2 <= most and rows * blocks // (r * 2) >= 4 * sms:
+        r *= 2
+    return r
+
+
 def _launch_group(preps: list[_Prepared], starts: list[int], key: tuple, c: torch.Tensor,
                   out: torch.Tensor, rows_per_program: int = ROWS_PER_PROGRAM) -> None:
     """One launch for 1..SLOTS prepared tensors of one kind, whose rows start at `starts` in `out`.
@@ -237,7 +250,9 @@ def _launch_group(preps: list[_Prepared], starts: list[int], key: tuple, c: torc
     while len(slots) < SLOTS:                       # unused slots: an empty range, never taken
         slots.append(slots[0])
         ranges.append((0, 0))
-    grid = (triton.cdiv(hi - lo, rows_per_program), max(p.blocks(BLOCK) for p in preps))
+    blocks = max(p.blocks(BLOCK) for p in preps)
+    rows_per_program = _rows_a_program(hi - lo, blocks, rows_per_program, out.device)
+    grid = (triton.cdiv(hi - lo, rows_per_program), blocks)
     _digest_many_ranges[grid](*[a for slot in slots for a in slot], *[r for rg in ranges for r in rg], lo, c,
                               c.stride(0), out, SHIFT=shift, HAS_F=has_f, H_PER_F=h_per_f, UPCAST=upcast,
                               INDEXED=indexed, SLOTS=len(preps), P=dd.P, BLOCK=BLOCK, ROWS=rows_per_program)

@@ -21,7 +21,7 @@ first two were left by the fourth H200 release run (golden/reports/gpu-2026-12-0
    the default tile's (the FMA-chain argument that makes the change bit-neutral on CUDA).
 
 4. `paged_tiles` (2026-12-07): the paged MLA decode kernel at k3-small's widths (8 heads, nope 128,
-   rope 64, Vd 128, latent 512), B = 64 requests of 512 keys, bf16: the reference's query tile
+   rope 64, Vd 128, latent 512), B = 64 requests of up to 512 keys (lengths drawn at random), bf16: the reference's query tile
    (attention.TILES: 32 rows for one real query) against 16 and 64 rows. Microseconds a call, and
    whether each output is bitwise the reference tile's: if the 16-row tile is, the fast step can take
    it without touching any contract (the kernel took 184 us a call in the B = 64 step, session 23).
@@ -108,7 +108,8 @@ def paged_tile_cells(batch: int = 64, keys: int = 512, heads: int = 8, nope: int
     tables = torch.randperm(n_blocks, generator=gen).to(torch.int32).view(batch, per).to(device)
     q = torch.randn(batch, heads, nope + rope, generator=gen).to(dt).to(device)
     slot = torch.arange(batch, device=device)
-    pos = torch.full((batch,), keys - 1, device=device)
+    # each request at its own length (partial last blocks, loops of several lengths), at most `keys`
+    pos = torch.randint(1, keys, (batch,), generator=gen).to(device)
 
     def call(block_m=None):
         return paged_decode_attention(q, rows, kv, tables, slot, pos, (nope + rope) ** -0.5, nope=nope,
