@@ -28,4 +28,12 @@ else
   # rewritten at every eval (--eval-every-s), so a run cut by its time limit still returns weights
   python3 scripts/train_k3mini.py --out "$OUT/ckpt" --minutes "${2:-6}" "${@:3}"
 fi
+# A returned file is at most 16 MiB: k3-dims' optim.pt (32 MB) never comes back, and it took the place
+# of the Triton cache, whose fla backward kernels cost the next training call its first ~270 s
+# (2026-12-07). It moves out of $OUT when too large to return, and the cache is kept (carry it as
+# .gpu-cache/ next time: gpu_env.sh restores it).
+if [ -f "$OUT/ckpt/optim.pt" ] && [ "$(stat -c %s "$OUT/ckpt/optim.pt")" -ge 16000000 ]; then
+  mv "$OUT/ckpt/optim.pt" /tmp/ && echo "optim.pt: over a returned file's 16 MiB, left on the device (/tmp/optim.pt)"
+fi
+triton_cache_save "$OUT"
 ls -la "$OUT" "$OUT/ckpt" || true
