@@ -190,3 +190,41 @@ def test_import_refuses_bad_files_in_one_line(tmp_path, name, text, match):
 def test_import_missing_file(tmp_path):
     with pytest.raises(K3Error, match=r"cannot read KVV results \(FileNotFoundError"):
         import_kvv_results(tmp_path / "absent.json")
+
+
+def _load_dependent_app() -> FastAPI:
+    """An endpoint whose greedy answer depends on how many requests it holds at once (a batch that
+    changes a request's numerics): alone it says 'alone', under load 'busy N'."""
+    import asyncio
+    app = FastAPI()
+    state = {"in_flight": 0}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        await request.json()
+        state["in_flight"] += 1
+        await asyncio.sleep(0.3)                       # the others arrive meanwhile
+        text = "alone" if state["in_flight"] == 1 else f"busy {state['in_flight']}"
+        await asyncio.sleep(0.05)
+        state["in_flight"] -= 1
+        message = {"role": "assistant", "content": text}
+        return {"choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "m", "object": "model"}]}
+
+    return app
+
+
+def test_concurrent_answers_equal_the_answers_alone_and_a_load_dependent_endpoint_fails():
+    """batch.concurrent_equals_alone passes on k3verify serve (it batches requests that arrive together,
+    and its stack is batch-invariant) and fails on an endpoint whose answer follows its load."""
+    with ServerThread(build_embedded_app("k3-mini")) as server:
+        ok = _by_status(run_kvv(server.base_url, "k3-mini", max_tokens=4, only=["batch."]))
+    assert set(ok["pass"]) == {"batch.concurrent_equals_alone"} and not ok["fail"], ok
+    with ServerThread(_load_dependent_app()) as server:
+        bad = _by_status(run_kvv(server.base_url, "m", max_tokens=4, only=["batch."]))
+    assert "batch.concurrent_equals_alone" in bad["fail"], bad
+    assert "answered 'busy" in bad["fail"]["batch.concurrent_equals_alone"]

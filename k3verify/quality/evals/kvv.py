@@ -5,8 +5,10 @@ tool_call_json_schema, prompt_tokens): K3's immutable sampling values and the wr
 that must be refused (temperature 0.5, top_p 0.8, presence/frequency penalty 0.5, n 2);
 response_format text/json_object/json_schema and their 400s; tool_choice required/none/named
 and their 400s; dynamic tools declared on system messages (messages[].tools, no content key)
-and their 400s; usage.prompt_tokens; streamed chunks reassembled. Each check is
-name / status (pass, fail, skip) / reason. A skip always says what it would need.
+and their 400s; usage.prompt_tokens; streamed chunks reassembled. One check is this project's,
+not KVV's: greedy answers sent at once equal the same requests sent alone (batch invariance of the
+served stack under load). Each check is name / status (pass, fail, skip) / reason. A skip always
+says what it would need.
 
 Parts that only a real K3 endpoint can answer are skipped with that reason, never passed:
 prompt_tokens against KVV's expected constants (they are counts of K3's own tokenizer) and
@@ -15,7 +17,9 @@ stream equality where the endpoint refuses greedy decoding.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import threading
 from dataclasses import asdict
 from typing import Callable
 
@@ -263,11 +267,57 @@ def _plan(c: Client, thinking: bool, small: int, big: int) -> list[tuple[str, Ca
             return KvvOutcome(name, "fail", f"total_tokens != prompt + completion in {usage}")
         return KvvOutcome(name, "pass", f"final usage chunk {usage}")
 
+    # -- batch invariance under concurrent load -------------------------------------------------
+    @add("batch.concurrent_equals_alone")
+    def _(name):
+        return _concurrent_equals_alone(name, c, small)
+
     @add("server.alive_after_bad_requests")
     def _(name):
         return expect_200(name, *c.chat(small), "a good request after all the bad ones")
 
     return plan
+
+
+CONCURRENT = 6          # requests sent at once by batch.concurrent_equals_alone
+
+
+def _concurrent_equals_alone(name: str, c: Client, small: int) -> KvvOutcome:
+    """Greedy answers to CONCURRENT different prompts, each asked alone and then all at once: a served
+    stack whose batching changes a request's numerics (its kernels' tiles following the batch, a padded
+    row leaking into another) answers differently under load. Needs temperature 0 (else a skip that
+    says so); the requests are released together (a barrier) so a batching server sees them in one
+    arrival window."""
+    fields = {"temperature": 0, "seed": 1234}
+    prompts = [[{"role": "user", "content": f"Continue the sequence {i}, {i + 3}, {i + 6},"}] for i in range(CONCURRENT)]
+    alone = []
+    for msgs in prompts:
+        status, body = c.chat(small, messages=msgs, **fields)
+        if status == 400:
+            return KvvOutcome(name, "skip", "needs an endpoint that allows temperature 0 (this one refused it: "
+                               f"{error_line(body)}); equal answers need greedy decoding")
+        if status != 200:
+            return expect_200(name, status, body, "temperature 0, alone")
+        alone.append(message_of(body).get("content"))
+    gate = threading.Barrier(CONCURRENT)
+
+    def together(msgs):
+        gate.wait(timeout=60)
+        return c.chat(small, messages=msgs, **fields)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(CONCURRENT) as pool:
+            answers = list(pool.map(together, prompts))
+    except threading.BrokenBarrierError:
+        return KvvOutcome(name, "fail", f"the {CONCURRENT} requests could not be released together (a thread "
+                           "did not reach the barrier in 60 s)")
+    for i, ((status, body), want) in enumerate(zip(answers, alone)):
+        if status != 200:
+            return expect_200(name, status, body, f"request {i} of {CONCURRENT} sent at once")
+        got = message_of(body).get("content")
+        if got != want:
+            return KvvOutcome(name, "fail", f"request {i} of {CONCURRENT} sent at once answered {str(got)[:40]!r}, "
+                               f"alone {str(want)[:40]!r} (greedy: the batch changed its numerics)")
+    return KvvOutcome(name, "pass", f"{CONCURRENT} requests sent at once at temperature 0 each answered as alone")
 
 
 def _tokens_vs_tokenize(name: str, c: Client, root: str, fields: dict, small: int) -> KvvOutcome:
