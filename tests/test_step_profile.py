@@ -93,11 +93,11 @@ def test_launch_sites_refuses_a_profile_without_stacks():
 
 
 def test_launch_sites_on_a_real_profile_names_the_model_lines(mini):
-    """A real profile taken as profile_cell takes it (with_stack, STACKS_CONFIG), timed by CPU time
+    """A real profile taken as profile_cell takes it (with_stack, stacks_config), timed by CPU time
     here (no device): the model's own lines own the time."""
     from torch.profiler import ProfilerActivity, profile
     ids = torch.arange(1, 40)
-    with profile(activities=[ProfilerActivity.CPU], with_stack=True, experimental_config=sp.STACKS_CONFIG()) as prof:
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True, experimental_config=sp.stacks_config()) as prof:
         mini.forward(ids, mini.new_state())
     rows = sp.launch_sites(prof, time_of=lambda e: e.self_cpu_time_total).splitlines()
     assert len(rows) > 5 and any("model/" in r for r in rows[:10]), rows[:10]

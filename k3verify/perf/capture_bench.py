@@ -232,10 +232,8 @@ def digest_cost(model, batch: int, reps: int = 10) -> dict:
         out["in_step_device_ms"], out["in_step_launches"] = _device_time(lambda: one_step(False, "in_step"))
         out["in_step_one_row_device_ms"], _ = _device_time(lambda: one_step(False, "in_step_one_row"))
         a, b, c = one_step(True, "default"), one_step(True, "per_element_mod"), one_step(True, "grouped")
-        d = one_step(False, "in_step")
-        d = d[1:] + d[:1]                            # logits first there, last in the others
-        e = one_step(False, "in_step_one_row")
-        e = e[1:] + e[:1]
+        # the in-step forms put the logits first, the others last
+        d, e = ((w[1:] + w[:1]) for w in (one_step(False, "in_step"), one_step(False, "in_step_one_row")))
         out["kernel_broken"] = device_digest._KERNEL_BROKEN        # None: the default arm ran the kernel
         out["grouped_broken"] = device_digest._GROUPED_BROKEN      # None: the grouped arm ran grouped
         same = device_digest.same_words

@@ -63,16 +63,8 @@ def router_tile_cells(ms=(64, 256, 2112), k: int = 768, n: int = 32) -> list[dic
         for name, t in tiles:
             try:
                 y = inv.matmul(x, w, _tiles=t)                    # compile and warm
-                rounds = []
-                for _ in range(5):
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    for _ in range(100):
-                        inv.matmul(x, w, _tiles=t)
-                    b.record()
-                    b.synchronize()
-                    rounds.append(a.elapsed_time(b) * 10.0)      # ms per 100 calls -> us a call
-                out.append({"m": m, "tile": name, "config": list(t), "us": sorted(rounds)[2],
+                out.append({"m": m, "tile": name, "config": list(t),
+                            "us": _us_a_call(lambda: inv.matmul(x, w, _tiles=t), calls=100),
                             "bitwise_default": bool(torch.equal(y, ref))})
             except Exception as exc:   # noqa: BLE001 - a tile Triton cannot build is a finding, not a crash
                 out.append({"m": m, "tile": name, "config": list(t), "error": f"{type(exc).__name__}: {exc}"[:300]})

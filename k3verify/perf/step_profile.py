@@ -74,17 +74,16 @@ def launch_sites(prof, top: int = 40, time_of=None) -> str:
     kernels, fla's _fwd entry points) has no CPU event: the last row is the device's own total (its
     CUDA events) less what the rows own. `time_of(event)` is an op's own time in us, default its own
     device time (a kernel counts once, for the innermost op); a CPU test passes the CPU time, and the
-    total is then the CPU events' own. The profile needs with_stack and STACKS_CONFIG: without the
+    total is then the CPU events' own. The profile needs with_stack and stacks_config(): without the
     verbose experimental config torch 2.11-2.13 record no stacks in events() (the first H100 call of
     --sites, 2026-12-07, printed an empty table)."""
     device = time_of is None
     time_of = time_of or (lambda e: getattr(e, "self_device_time_total", 0.0) or 0.0)
     by: dict[tuple[str, str], list[float]] = {}
-    stacks = owned = total = 0.0
+    stacks = owned = 0.0
+    total = 1e3 * device_activities(prof, 1)[1] if device else 0.0      # the device's kernels, copies, sets
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CPU:
-            if device:
-                total += getattr(e, "device_time", 0.0) or 0.0        # a kernel, memcpy or memset
             continue
         own = time_of(e)
         if not device:
@@ -100,7 +99,7 @@ def launch_sites(prof, top: int = 40, time_of=None) -> str:
         owned += own
     if not stacks:
         raise RuntimeError("launch_sites: the profile recorded no stacks (profile it with with_stack=True "
-                           "and experimental_config=STACKS_CONFIG())")
+                           "and experimental_config=stacks_config())")
     rows = sorted(by.items(), key=lambda kv: -kv[1][0])[:top]
     lines = [f"{ms:8.3f} ms {n:6d}  {site}  {name}" for (site, name), (ms, n) in rows]
     lines.append(f"{(total - owned) / 1e3:8.3f} ms          (no optimized_stack op: launched outside an "
@@ -108,7 +107,7 @@ def launch_sites(prof, top: int = 40, time_of=None) -> str:
     return "\n".join(lines)
 
 
-def STACKS_CONFIG():
+def stacks_config():
     """The profiler's experimental config under which events() carry their Python stacks."""
     from torch._C._profiler import _ExperimentalConfig
     return _ExperimentalConfig(verbose=True)
@@ -145,7 +144,7 @@ def profile_cell(model, names, donor: Donor, batch: int, repeats: int, kernels: 
         acts, act_ms = device_activities(prof, 3)
         if sites is not None:
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True,
-                         experimental_config=STACKS_CONFIG()) as prof_s:
+                         experimental_config=stacks_config()) as prof_s:
                 fast.step.forward(dev_meta)
                 sync()
             sites.append(f"==== {'+'.join(names)} B={batch} ctx={context}: one eager step, device ms by the "

@@ -228,8 +228,7 @@ def _plan(c: Client, thinking: bool, small: int, big: int) -> list[tuple[str, Ca
         fields = {"temperature": 0, "seed": 1234}
         status, body = c.chat(small, **fields)
         if status == 400:
-            return KvvOutcome(name, "skip", "needs an endpoint that allows temperature 0 (this one refused it: "
-                               f"{error_line(body)}); equal text needs greedy decoding")
+            return _greedy_refused(name, body, "equal text needs greedy decoding")
         if status != 200:
             return expect_200(name, status, body, "temperature 0")
         status, chunks, done = c.chat_stream(small, stream_options={"include_usage": True}, **fields)
@@ -279,6 +278,12 @@ def _plan(c: Client, thinking: bool, small: int, big: int) -> list[tuple[str, Ca
     return plan
 
 
+def _greedy_refused(name: str, body: dict, why: str) -> KvvOutcome:
+    """The skip of a check that needs temperature 0 from an endpoint that refused it."""
+    return KvvOutcome(name, "skip", f"needs an endpoint that allows temperature 0 (this one refused it: "
+                      f"{error_line(body)}); {why}")
+
+
 CONCURRENT = 6          # requests sent at once by batch.concurrent_equals_alone
 
 
@@ -294,8 +299,7 @@ def _concurrent_equals_alone(name: str, c: Client, small: int) -> KvvOutcome:
     for msgs in prompts:
         status, body = c.chat(small, messages=msgs, **fields)
         if status == 400:
-            return KvvOutcome(name, "skip", "needs an endpoint that allows temperature 0 (this one refused it: "
-                               f"{error_line(body)}); equal answers need greedy decoding")
+            return _greedy_refused(name, body, "equal answers need greedy decoding")
         if status != 200:
             return expect_200(name, status, body, "temperature 0, alone")
         alone.append(message_of(body).get("content"))

@@ -36,12 +36,12 @@ from ...kernels.kda import fla
 from ...toggles import base_form, count_call
 
 FAST_KDA_ENV = "K3_FAST_KDA"
+FAST_KDA_CHOICES = ("inplace", "gather")
 
 # a kernel toggle's KDA decode op (OPS.kda_decode) -> the same kernel over the B rows in one call:
 # (q, k, g [B, H, K], v [B, H, V], beta [B, H], states [B, H, K, V]) -> (o [B, H, V], finals).
 # A mutant's op (a functools.partial of a form) has none and runs one request at a time.
 ROW_FORMS: dict[Callable, Callable] = {fla.fla_chunk: fla.fla_chunk_rows, fla.fla_recurrent: fla.fla_recurrent_rows}
-FAST_KDA_CHOICES = ("inplace", "gather")
 
 
 def fast_kda_choice() -> str:

@@ -28,6 +28,11 @@ CUDA = ("cuda",)
 EXERCISED_BY = ("batching", "prefix")
 
 
+def _requires(engine: dict, name: str) -> tuple[str, ...]:
+    """The options an engine form requires, its own option `name` left out."""
+    return tuple(r for r in required_options(engine) if r != name)
+
+
 def _mut(name: str, of: str, description: str, engine: dict, caught_by: tuple[str, ...], lives_in: str,
          events: tuple[str, ...], devices: tuple[str, ...] = ("cpu", "cuda")) -> None:
     register(Toggle(name=name, description=description, contract=EXACT, touches=ALL, kind="mutant",
@@ -45,7 +50,7 @@ register(Toggle(
 
 register(Toggle(
     name="cuda_graphs", contract=EXACT, touches=ALL, engine=GRAPHS, devices=CUDA,
-    requires=tuple(r for r in required_options(GRAPHS) if r != "cuda_graphs"), exercised_by=EXERCISED_BY,
+    requires=_requires(GRAPHS, "cuda_graphs"), exercised_by=EXERCISED_BY,
     events=("fast_decode_rows", "graph_replay"),
     description="the batched decode step captured as CUDA graphs at ladder sizes (1, 2, 4, ... 256) and "
                 "replayed, a batch padded to the next size"))
@@ -64,7 +69,7 @@ _mut("mut_fast_kda_stale_value_tiles", "batched_decode", "the batched decode ste
 FUSED_CONV = {**BATCHED, "fused_kda_conv": True}
 register(Toggle(
     name="fused_kda_conv", contract=EXACT, touches=ALL, engine=FUSED_CONV, devices=CUDA,
-    requires=tuple(r for r in required_options(FUSED_CONV) if r != "fused_kda_conv"), exercised_by=EXERCISED_BY,
+    requires=_requires(FUSED_CONV, "fused_kda_conv"), exercised_by=EXERCISED_BY,
     events=("fast_fused_conv_rows",),
     description="the batched decode step's KDA causal conv (window gather, taps, window shift) as one "
                 "Triton launch per conv, bf16/fp16, the torch form's roundings in its order"))
@@ -77,7 +82,7 @@ _mut("mut_fused_conv_stale_window", "fused_kda_conv", "the fused decode conv sto
 FUSED_COMBINE = {**BATCHED, "fused_moe_combine": True}
 register(Toggle(
     name="fused_moe_combine", contract=EXACT, touches=ALL, engine=FUSED_COMBINE, devices=CUDA,
-    requires=tuple(r for r in required_options(FUSED_COMBINE) if r != "fused_moe_combine"),
+    requires=_requires(FUSED_COMBINE, "fused_moe_combine"),
     exercised_by=EXERCISED_BY, events=("fast_fused_combine_rows",),
     description="the batched decode step's routed-expert combine (per row, from zeros, w * out in "
                 "ascending expert index, fp32) as one Triton launch per MoE layer"))
@@ -98,7 +103,7 @@ _mut("mut_graph_stale_input", "cuda_graphs", "a replayed CUDA graph reads the to
 SORTED = {**BATCHED, "prefill_sorted_experts": True}
 register(Toggle(
     name="prefill_sorted_experts", contract=EXACT, touches=ALL, engine=SORTED,
-    requires=tuple(r for r in required_options(SORTED) if r != "prefill_sorted_experts"),
+    requires=_requires(SORTED, "prefill_sorted_experts"),
     # no `phases`: gpu_suite times op-table forms on the model; this engine option is timed by
     # perf/step_profile (--prefill-stacks +fused,+sorted), the engine step side by side
     exercised_by=EXERCISED_BY, events=("prefill_sorted_experts",),
@@ -117,7 +122,7 @@ _mut("mut_sorted_experts_weights_unsorted", "prefill_sorted_experts", "the sorte
 MIXERS = {"continuous_batching": True, "prefill_batched_mixers": True}
 register(Toggle(
     name="prefill_batched_mixers", contract=EXACT, touches=ALL, engine=MIXERS,
-    requires=tuple(r for r in required_options(MIXERS) if r != "prefill_batched_mixers"),
+    requires=_requires(MIXERS, "prefill_batched_mixers"),
     exercised_by=EXERCISED_BY, events=("prefill_batched_mixers",),
     description="each KDA and MLA layer of a forward over several prompts: the token-wise work on all "
                 "rows at once, the convs over one joined sequence, the recurrence and attention per prompt"))
