@@ -138,7 +138,8 @@ def test_rows_a_program_change_no_word(rows):
     digest_kernel._rows_a_program = lambda *a: taken.append(real(*a)) or taken[-1]
     try:
         g = torch.Generator().manual_seed(3)
-        ts = _mixed(2) + [torch.randn(70, 33, generator=g).to(DEVICE)]     # 70 rows: eight a program, a ragged end
+        # on the kernel's device (a GPU run launched the CPU tensors: "cannot be accessed from Triton")
+        ts = [t.to(DEVICE) for t in _mixed(2)] + [torch.randn(70, 33, generator=g).to(DEVICE)]  # 70 rows: a ragged end
         got = [w.cpu() for w in summary_words_many(ts, rows_per_program=rows)]
         assert all(_same(a, _torch(t, rows=True)) for a, t in zip(got, ts))
         pool = torch.randn(9, 3, 5, 4, generator=g).to(DEVICE)
