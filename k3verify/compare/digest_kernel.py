@@ -183,11 +183,13 @@ def summary_words(t: torch.Tensor, rows: bool = False, per_element_mod: bool = F
 
 SLOTS = 4      # tensors one launch of _digest_many takes
 # Rows a program of the grouped launch digests, one after another, for the same block. The words are
-# exact integer sums, the same in any grouping. On the H100 (session 23) one row a program read the
-# step's 321 MB in 0.87 ms, ~370 GB/s: a 4096-half block of data (8 KB) comes with 4 x 4096 int32
-# constants (64 KB), which every program of the block fetches from L2 again. Eight rows a program
-# fetch them once per eight.
-ROWS_PER_PROGRAM = 8      # at most: a small launch takes fewer (_rows_a_program), so every SM has work
+# exact integer sums, the same in any grouping. Eight rows a program were to fetch a block's 64 KB of
+# int32 constants from L2 once per eight rows, not once a row (session 23's guess that L2 bound the
+# 0.87 ms). Measured on the H100 (session 24, capture_bench digest_cost, the step's 321 MB in place):
+# one row a program 0.87 ms of device time, up to eight 1.49 ms. The constants were not the bound, and
+# a program walking its rows in turn hides less latency; one row a program it is. The bench keeps the
+# eight-row form as an arm (`in_step_eight_rows`).
+ROWS_PER_PROGRAM = 1      # at most: a small launch takes fewer (_rows_a_program), so every SM has work
 
 
 def summary_words_many(ts: list[torch.Tensor], index: list[torch.Tensor | None] | None = None,
