@@ -436,7 +436,7 @@ class Engine:
         result = RequestResult(list(req.prompt), list(req.generated), req.finish_reason)
         self.results[req.request_id] = result
         if self.observers:
-            rows = {i: t.clone() for i, t in self.store.mla_rows(req).items()}
+            rows = self.store.mla_rows(req)          # copies already (PagedStore's gather, PlainStore's clone)
             for obs in self.observers:
                 obs.on_finish(req.request_id, result, rows)
         self._trie.insert(req.tokens[:req.num_computed])

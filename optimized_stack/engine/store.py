@@ -78,8 +78,9 @@ class PlainStore:
                         for name in states[0][layer].tensors()} for layer in states[0]}
 
     def mla_rows(self, req: Request) -> Rows:
+        """Copies the caller owns (the state's own tensors live on while the request runs)."""
         assert req.state is not None
-        return dict(req.state.mla)
+        return {i: t.clone() for i, t in req.state.mla.items()}
 
     def finish(self, req: Request) -> None:
         req.state = None
@@ -395,7 +396,7 @@ class PagedStore:
         return self.pool.gather([req.slot for req in reqs])
 
     def mla_rows(self, req: Request) -> Rows:
-        return {i: t.clone() for i, t in self.mla.gather(req.blocks, req.num_computed).items()}
+        return self.mla.gather(req.blocks, req.num_computed)      # index_select: already a copy
 
     def finish(self, req: Request) -> None:
         if (self.prefix is not None and self.opts.prefix_cache_subblock and req.num_computed
