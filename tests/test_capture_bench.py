@@ -12,7 +12,7 @@ def test_capture_bench_writes_an_overhead_with_rows_hashed(tmp_path):
     assert capture_bench.main(["--out", str(tmp_path), "--device", "cpu", "--batch", "2", "--context", "24",
                                "--new-tokens", "4", "--repeats", "2"]) == 0
     doc = json.loads((tmp_path / "capture_overhead.json").read_text())
-    assert doc["stack"] == ["batched_decode", "prefill_sorted_experts"] and doc["batch"] == 2
+    assert doc["stack"] == ["batched_decode", "prefill_sorted_experts", "prefill_batched_mixers"] and doc["batch"] == 2
     assert doc["captured_logits_rows"] >= 2 * 3, "the capture arm hashed no rows: it did not watch the engine"
     assert isinstance(doc["overhead"], float) and doc["ci95"][0] <= doc["overhead"] <= doc["ci95"][1]
     # the headline times the steady steps only: fewer seconds than the whole runs beside it

@@ -111,9 +111,10 @@ def test_counted_stack_answers_equal_the_reference_and_its_path_ran(model_and_to
     ref = greedy_generate_fn(model, tok)(prompts, 20, STOP)
     gen = engine_generate_fn(model, tok, batch=3, stack_toggles=counted_toggles("cpu"))
     assert gen(prompts, 20, STOP) == ref
-    assert gen.stats["stack"] == ["batched_decode", "prefill_sorted_experts"]
+    assert gen.stats["stack"] == ["batched_decode", "prefill_sorted_experts", "prefill_batched_mixers"]
     fired = gen.stats["events"]
     assert fired.get("fast_decode_rows", 0) > 0 and fired.get("prefill_sorted_experts", 0) > 0
+    assert fired.get("prefill_batched_mixers", 0) > 0, "the three prompts were not prefilled in one forward"
     plain = engine_generate_fn(model, tok, batch=3)
     plain(prompts, 20, STOP)
     assert plain.stats["events"].get("fast_decode_rows", 0) == 0     # the control: off unless asked

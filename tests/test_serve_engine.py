@@ -103,13 +103,13 @@ def counted_server():
 # ---- which stack -----------------------------------------------------------------------------------
 
 def test_counted_stack_is_the_fast_path_that_runs_on_the_device():
-    assert counted_toggles("cpu") == ("batched_decode", "prefill_sorted_experts")
+    assert counted_toggles("cpu") == ("batched_decode", "prefill_sorted_experts", "prefill_batched_mixers")
     # every exact fast-path toggle of the device: the fused decode kernels too, judged by the same
     # suite's selftest (a toggle whose contract failed would fail that run, not pass unseen)
     assert set(counted_toggles("cuda")) == {"batched_decode", "cuda_graphs", "fused_kda_conv", "fused_moe_combine",
-                                            "prefill_sorted_experts"}
+                                            "prefill_sorted_experts", "prefill_batched_mixers"}
     stack = serve_stack("counted", [], "cpu")
-    assert stack.label == "engine[batched_decode,prefill_sorted_experts,projected_kv_cache]", "requires are applied and named"
+    assert stack.label == "engine[batched_decode,prefill_batched_mixers,prefill_sorted_experts,projected_kv_cache]", "requires are applied and named"
     assert serve_stack(None, [], "cpu").label == "reference"
 
 
@@ -138,7 +138,7 @@ def test_cli_cuda_only_toggle_on_cpu_is_one_line_exit_2(capsys):
 
 def test_concurrent_requests_are_batched_and_equal_the_reference_bit_for_bit(counted_server, reference_answers):
     got = _ask_together(counted_server.base_url, REQUESTS)
-    label = "engine[batched_decode,prefill_sorted_experts,projected_kv_cache]"
+    label = "engine[batched_decode,prefill_batched_mixers,prefill_sorted_experts,projected_kv_cache]"
     assert all(a["stack_header"] == label and a["system_fingerprint"] == f"k3verify-{label}" for a in got)
     assert all(a["stack_header"] == "reference" and a["k3verify"]["path_events"] == {} for a in reference_answers)
     fired = Counter()
@@ -147,6 +147,7 @@ def test_concurrent_requests_are_batched_and_equal_the_reference_bit_for_bit(cou
     # evidence the counted stack ran as claimed: decodes in the batched step, several requests per
     # forward (the prefills shared one), and a padded batch (5 -> 8, or 3 -> 4 as requests end)
     assert fired["fast_decode_rows"] > 0 and fired["batched_forward"] > 0 and fired["fast_padded_rows"] > 0, fired
+    assert fired["prefill_batched_mixers"] > 0, fired         # the shared prefill took the batched mixers
     ref, cand = _streams(reference_answers), _streams(got)
     parted = [i for i, (r, c) in enumerate(zip(ref, cand)) if r != c]
     assert not parted, f"requests {parted} differ from the reference: {[(ref[i], cand[i]) for i in parted]}"
@@ -195,8 +196,9 @@ def test_grammar_constrained_and_streamed_answers_equal_the_reference(counted_se
 def test_stack_endpoint_reports_the_stack_and_its_events(counted_server):
     root = counted_server.base_url.removesuffix("/v1")
     info = httpx.get(f"{root}/stack", timeout=30).json()
-    assert info["stack"] == "counted" and info["toggles"] == ["projected_kv_cache", "batched_decode", "prefill_sorted_experts"]
-    assert info["device"] == "cpu" and info["fingerprint"] == "k3verify-engine[batched_decode,prefill_sorted_experts,projected_kv_cache]"
+    assert info["stack"] == "counted" and info["toggles"] == ["projected_kv_cache", "batched_decode",
+                                                                  "prefill_sorted_experts", "prefill_batched_mixers"]
+    assert info["device"] == "cpu" and info["fingerprint"] == "k3verify-engine[batched_decode,prefill_batched_mixers,prefill_sorted_experts,projected_kv_cache]"
 
 
 def test_closing_a_stream_frees_its_engine_request():
@@ -218,7 +220,9 @@ def test_closing_a_stream_frees_its_engine_request():
 
 # ---- KVV against the served stack ------------------------------------------------------------------
 
-KVV_ONLY = ["params.accept.temperature", "params.reject.n", "stream.reassembly"]
+# batch.: the one check whose prompts arrive together, so the only one where prefill_batched_mixers
+# (a counted toggle) fires; without it the served-stack row is not_exercised
+KVV_ONLY = ["params.accept.temperature", "params.reject.n", "stream.reassembly", "batch."]
 
 
 def test_kvv_against_the_counted_stack_passes_and_names_it():
@@ -226,10 +230,11 @@ def test_kvv_against_the_counted_stack_passes_and_names_it():
     with Context(None, model_arg="k3-mini", placement={"device": "cpu"}) as ctx:
         rows = [r.to_dict() for r in kvv_kind.run(unit, ctx)]
     assert rows and all(r["status"] == "pass" for r in rows), [(r["check"], r["status"], r["reason"]) for r in rows]
-    label = "engine[batched_decode,prefill_sorted_experts,projected_kv_cache]"
+    label = "engine[batched_decode,prefill_batched_mixers,prefill_sorted_experts,projected_kv_cache]"
     assert all(r["served_stack"] == label and list(r["responses_by_stack"]) == [label] for r in rows)
     (proof,) = [r for r in rows if r["check"] == "kvv/served-stack"]
     assert proof["stack_events"].get("fast_decode_rows", 0) > 0 and "fast_decode_rows=" in proof["reason"]
+    assert proof["stack_events"].get("prefill_batched_mixers", 0) > 0
 
 
 def test_served_stack_row_fails_on_another_stack_and_is_not_exercised_without_events():
@@ -239,20 +244,26 @@ def test_served_stack_row_fails_on_another_stack_and_is_not_exercised_without_ev
     mixed = kvv_kind.served_stack_result(stack, label, Counter({label: 4, "reference": 1}), {"fast_decode_rows": 3}, "s")
     silent = kvv_kind.served_stack_result(stack, label, Counter({label: 5}), {"batched_forward": 2}, "s")
     ok = kvv_kind.served_stack_result(stack, label, Counter({label: 5}),
-                                      {"fast_decode_rows": 3, "prefill_sorted_experts": 2}, "s")
+                                      {"fast_decode_rows": 3, "prefill_sorted_experts": 2, "prefill_batched_mixers": 1}, "s")
+    # requests that never shared a prefill forward: the batched mixers did not run, so not proven
+    alone = kvv_kind.served_stack_result(stack, label, Counter({label: 5}),
+                                         {"fast_decode_rows": 3, "prefill_sorted_experts": 2}, "s")
     assert (wrong.status, mixed.status, silent.status, ok.status) == ("fail", "fail", "not_exercised", "pass")
     assert "batched_decode" in silent.reason
+    assert alone.status == "not_exercised" and "prefill_batched_mixers" in alone.reason
     # cuda_graphs is proven by its replays, not by the batched step it shares with batched_decode
     graphs = serve_stack("counted", [], "cuda")
     eager = kvv_kind.served_stack_result(graphs, graphs.label, Counter({graphs.label: 5}), {"fast_decode_rows": 9}, "s")
-    fused = {"fast_fused_conv_rows": 9, "fast_fused_combine_rows": 9, "prefill_sorted_experts": 9}
+    fused = {"fast_fused_conv_rows": 9, "fast_fused_combine_rows": 9, "prefill_sorted_experts": 9,
+             "prefill_batched_mixers": 1}
     replayed = kvv_kind.served_stack_result(graphs, graphs.label, Counter({graphs.label: 5}),
                                             {"fast_decode_rows": 9, "graph_replay": 9, **fused}, "s")
     assert (eager.status, replayed.status) == ("not_exercised", "pass") and "graph_replay" in eager.reason
     # each fused kernel proves itself by its own event: replays without one are not enough
     no_combine = kvv_kind.served_stack_result(graphs, graphs.label, Counter({graphs.label: 5}),
                                               {"fast_decode_rows": 9, "graph_replay": 9,
-                                               "fast_fused_conv_rows": 9, "prefill_sorted_experts": 9}, "s")
+                                               "fast_fused_conv_rows": 9, "prefill_sorted_experts": 9,
+                                               "prefill_batched_mixers": 1}, "s")
     assert no_combine.status == "not_exercised" and "fused_moe_combine" in no_combine.reason
 
 

@@ -75,11 +75,11 @@ REQUIRES = {
     "cuda_graphs": "batched_decode",
     "fused_kda_conv": "batched_decode",
     "fused_moe_combine": "batched_decode",
-    # not needed by its code (any forward can take it), but it belongs to the counted fast stack
-    # (k3verify/serving/stack.py: the exact toggles that switch the batched decode step on)
+    # not needed by their code (any forward can take them; the mixers need several segments in one
+    # forward_batch, which batched_decode's continuous batching gives), but they belong to the counted
+    # fast stack (k3verify/serving/stack.py: the exact toggles that switch the batched decode step on)
     "prefill_sorted_experts": "batched_decode",
-    # several segments in one forward_batch come from batching requests
-    "prefill_batched_mixers": "continuous_batching",
+    "prefill_batched_mixers": "batched_decode",
 }
 
 

@@ -117,9 +117,11 @@ _mut("mut_sorted_experts_weights_unsorted", "prefill_sorted_experts", "the sorte
 # gates, norms, the convs over one joined sequence, o_proj) on every segment's rows at once, the
 # recurrence and the attention per segment (kernels/kda/segments.py, kernels/mla/segments.py): ~45
 # launches a KDA layer per segment become ~45 plus the scan's per segment. Row-invariant primitives:
-# bit-identical. Any device. Not (yet) in the counted fast stack: a served stack's KVV run must see
-# every counted toggle's event, and this one fires only where one step prefills several prompts.
-MIXERS = {"continuous_batching": True, "prefill_batched_mixers": True}
+# bit-identical. Any device. In the counted fast stack since session 24: a served stack's KVV run must
+# see every counted toggle's event, and this one fires only where one step prefills several prompts;
+# KVV's batch.concurrent_equals_alone sends six at once, and the tenth GPU release run's served stack
+# prefilled them in one forward (batched_forward=1), as the CPU's does.
+MIXERS = {**BATCHED, "prefill_batched_mixers": True}
 register(Toggle(
     name="prefill_batched_mixers", contract=EXACT, touches=ALL, engine=MIXERS,
     requires=_requires(MIXERS, "prefill_batched_mixers"),
