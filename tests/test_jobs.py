@@ -222,7 +222,11 @@ def test_the_gpu_release_suite_plans_from_the_device_seconds():
         loads[measured[u.id]] += costs[u.id]
         kind_loads[kind[u.id]] += costs[u.id]
     assert max(loads) < max(kind_loads), (max(loads), max(kind_loads))
-    assert max(loads) <= 1.02 * max(costs.values()), (max(loads), max(costs.values()))
+    # no plan beats the longest unit or the fair share; since the tenth run (the fla rows forms) the
+    # fair share (2,682 s / 14) is above the longest unit (160 s), so the bound is the share. Groups
+    # of one (model, scenario) are placed whole: 1.10x the bound here (the kinds' priors: 1.68x)
+    bound = max(max(costs.values()), sum(costs.values()) / 14)
+    assert max(loads) <= 1.15 * bound, (max(loads), bound)
 
 
 def test_negative_control_the_fifth_runs_priors_pile_the_long_unit_onto_a_busy_shard():
@@ -235,7 +239,8 @@ def test_negative_control_the_fifth_runs_priors_pile_the_long_unit_onto_a_busy_s
     loads = [0.0] * 14
     for u in units:
         loads[plan[u.id]] += costs[u.id]
-    assert max(loads) > 1.2 * max(costs.values()), (max(loads), max(costs.values()))
+    bound = max(max(costs.values()), sum(costs.values()) / 14)           # as in the test above
+    assert max(loads) > 1.3 * bound, (max(loads), bound)                  # 1.77x
 
 
 # ---- --finish-by: no unit started that its expected seconds say a hard stop would cut ---------------
