@@ -26,7 +26,11 @@ def test_capture_bench_writes_an_overhead_with_rows_hashed(tmp_path):
         assert sp["steps"] == 6 and sp["wall_ms"] > 0 and sp["device_ms"] == 0.0
         assert sp["host_uncovered_ms"] == sp["wall_ms"]
     assert doc["step_split"]["none"]["captured_logits_rows"] == 0
-    assert doc["step_split"]["capture"]["captured_logits_rows"] >= 2 * 13     # the watched arm watched its 13 steps
+    assert doc["step_split"]["capture"]["captured_logits_rows"] >= 2 * 19     # the watched arm watched its 19 steps
+    # where the watched steps' host time went: the capture's own functions lead what it adds
+    added = [r for r in doc["host_added"] if r["extra_ms"] > 0]
+    assert any(r["function"].startswith("k3verify/") and r["calls"] > 0 for r in added[:5]), doc["host_added"][:5]
+    assert len(doc["host_added"]) == 12 and "host" not in doc["step_split"]["none"]
     from optimized_stack import load_model
     kda_layers = sum(k == "kda" for k in load_model("k3-mini").config.layer_kinds)
     assert doc["digest_cost"]["tensors_a_step"] == 4 * kda_layers + 1 and doc["digest_cost"]["stack_and_digest_ms"] > 0
@@ -85,3 +89,13 @@ def test_after_step_arm_times_the_same_digests_and_the_default_took_them_in_the_
     assert capture_bench.main(["--out", str(tmp_path), "--device", "cpu", "--batch", "2", "--context", "24",
                                "--new-tokens", "3", "--repeats", "2"]) == 0
     assert json.loads((tmp_path / "capture_overhead.json").read_text())["in_step"]["digest_steps"] == 0
+
+
+def test_host_added_ranks_what_only_the_watched_arm_ran_and_not_what_both_ran():
+    split = {"none": {"host": {"engine.py:1(step)": [2.0, 1.0], "x.py:5(f)": [0.5, 3.0]}},
+             "capture": {"host": {"engine.py:1(step)": [2.0, 1.0], "x.py:5(f)": [0.7, 3.0],
+                                  "k3verify/capture/capture.py:9(on_step_words)": [0.4, 1.0]}}}
+    rows = capture_bench.host_added(split, top=3)
+    assert [r["function"] for r in rows] == ["k3verify/capture/capture.py:9(on_step_words)", "x.py:5(f)",
+                                             "engine.py:1(step)"]
+    assert rows[0]["calls"] == 1.0 and abs(rows[1]["extra_ms"] - 0.2) < 1e-9 and rows[2]["extra_ms"] == 0.0

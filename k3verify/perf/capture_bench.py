@@ -141,7 +141,8 @@ def engine_capture_overhead(model, names: tuple[str, ...], *, batch: int, contex
            "extra_ms_per_step": 1e3 * (ab.to_dict()["median_s_b"] - ab.to_dict()["median_s_a"]) / steps,
            "with_setup": _overhead(setup_ab), "stack": list(names), "batch": batch, "context": context,
            "new_tokens": new_tokens, "repeats": repeats, "captured_logits_rows": rows,
-           "digest_cost": digest_cost(model, batch), "step_split": split}
+           "digest_cost": digest_cost(model, batch), "host_added": host_added(split),
+           "step_split": {arm: {k: v for k, v in sp.items() if k != "host"} for arm, sp in split.items()}}
     stats = fast_stats.get("capture")
     doc["in_step"] = {"digest_steps": getattr(stats, "digest_steps", 0), "off": getattr(stats, "digests_off", None)}
     if outside is not None:
@@ -252,9 +253,11 @@ def step_split(model, opts, donor, batch: int, observers: tuple, steps: int = 6)
     The capture's extra wall time a step, set beside its extra device time, says whether the lever is
     the digest kernels or the host work around them (session 23: +2.47 ms a step at B = 64, of which
     the digest kernels measured alone were 0.87 ms). Kernels on two streams that overlap are counted
-    twice in the busy time: a bound, not a timeline."""
+    twice in the busy time: a bound, not a timeline. `host` is a third run of `steps` steps under
+    cProfile: the host's own time a step by Python function (session 24: the capture's steady steps
+    carried +1.42 ms of host time the device did not cover, not yet attributed)."""
     import dataclasses
-    new_tokens = 2 * steps + 3              # the set-up step, the two runs, and a spare: no request finishes inside
+    new_tokens = 3 * steps + 3              # the set-up step, the three runs, and a spare: no request finishes inside
     if opts.device_cache_tokens:
         opts = dataclasses.replace(opts, device_cache_tokens=cache_tokens_for(batch, len(donor.ids), new_tokens))
     eng = seeded_engine(model, opts, donor, batch, new_tokens, observers)
@@ -267,10 +270,38 @@ def step_split(model, opts, donor, batch: int, observers: tuple, steps: int = 6)
     wall = 1e3 * (time.perf_counter() - t0) / steps
     device_ms, activities = _device_time(lambda: [eng.step() for _ in range(steps)])
     device = device_ms / steps
+    host = _host_time(lambda: [eng.step() for _ in range(steps)], steps)
     assert not eng.results, "a request finished inside the profiled steps: the arms would time other work"
     watched = sum(len(rc.logits) for obs in observers for rc in obs.requests.values())   # the evidence
     return {"steps": steps, "wall_ms": wall, "device_ms": device, "host_uncovered_ms": wall - device,
-            "activities": activities / steps, "captured_logits_rows": watched}
+            "activities": activities / steps, "captured_logits_rows": watched, "host": host}
+
+
+def _host_time(fn, steps: int) -> dict[str, list[float]]:
+    """function -> [own ms a step, calls a step] of one call of fn under cProfile (the device waited
+    for at its end). The profiler inflates Python time: compare the arms, not the absolute ms."""
+    import cProfile
+    import pstats
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    sync()
+    prof.disable()
+    root = str(Path(__file__).resolve().parents[2]) + "/"
+    out: dict[str, list[float]] = {}
+    for (file, line, name), (_, calls, own, _, _) in pstats.Stats(prof).stats.items():
+        where = file.removeprefix(root) if file.startswith(root) else Path(file).name
+        out[f"{where}:{line}({name})"] = [1e3 * own / steps, calls / steps]
+    return out
+
+
+def host_added(split: dict, top: int = 12) -> list[dict]:
+    """The Python functions whose own time a step grew most from the unwatched arm to the watched one
+    (step_split's `host` profiles): where the capture's host time goes."""
+    none, watched = split["none"]["host"], split["capture"]["host"]
+    rows = [{"function": f, "extra_ms": ms - none.get(f, [0.0, 0.0])[0], "calls": calls - none.get(f, [0.0, 0.0])[1]}
+            for f, (ms, calls) in watched.items()]
+    return sorted(rows, key=lambda r: -r["extra_ms"])[:top]
 
 
 def _device_time(fn) -> tuple[float, int]:
@@ -349,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  a steady step, unwatched / watched: wall {sp['none']['wall_ms']:.2f} / {sp['capture']['wall_ms']:.2f} ms, "
           f"the device busy {sp['none']['device_ms']:.2f} / {sp['capture']['device_ms']:.2f} ms, "
           f"{sp['none']['activities']:.0f} / {sp['capture']['activities']:.0f} activities (profiled)")
+    print("  the host's own time the capture adds a step (cProfile, inflated; the top 5): " + "; ".join(
+        f"{r['function']} +{r['extra_ms']:.3f} ms ({r['calls']:+.0f} calls)" for r in doc["host_added"][:5]))
     ins = doc["in_step"]
     print(f"  digests inside the step: {ins['digest_steps']} steps of the last watched run"
           + (f" (turned off: {ins['off']})" if ins["off"] else ""))
