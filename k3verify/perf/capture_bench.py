@@ -299,8 +299,10 @@ def host_added(split: dict, top: int = 12) -> list[dict]:
     """The Python functions whose own time a step grew most from the unwatched arm to the watched one
     (step_split's `host` profiles): where the capture's host time goes."""
     none, watched = split["none"]["host"], split["capture"]["host"]
-    rows = [{"function": f, "extra_ms": ms - none.get(f, [0.0, 0.0])[0], "calls": calls - none.get(f, [0.0, 0.0])[1]}
-            for f, (ms, calls) in watched.items()]
+    rows = []
+    for f, (ms, calls) in watched.items():
+        base_ms, base_calls = none.get(f, (0.0, 0.0))
+        rows.append({"function": f, "extra_ms": ms - base_ms, "calls": calls - base_calls})
     return sorted(rows, key=lambda r: -r["extra_ms"])[:top]
 
 
