@@ -358,6 +358,17 @@ def test_a_shard_out_of_device_memory_leaves_the_unit_for_the_final_pass(tmp_pat
     assert err and all(r["status"] == "error" and "OutOfMemoryError" in r["reason"] for r in err)
 
 
+@pytest.mark.parametrize("exc, deferred", [
+    (RuntimeError("Triton Error [CUDA]: out of memory"), True),     # a kernel's module load (release 11)
+    (RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"), True),
+    (RuntimeError("Triton Error [CUDA]: invalid argument"), False),  # control: a real crash stays an error
+    (ValueError("out of memory"), False),                            # control: not the device's words
+])
+def test_the_drivers_out_of_memory_is_deferred_too(exc, deferred):
+    from k3verify.suites import run_all
+    assert run_all._out_of_device_memory(exc) is deferred
+
+
 def test_the_final_pass_alone_finishes_the_deferred_unit(tmp_path, monkeypatch):
     import torch
     run_all, plan, model, run = _planned(tmp_path)

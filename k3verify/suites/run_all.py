@@ -203,9 +203,17 @@ class DeferredUnit(Exception):
     file), so the parent's final pass runs it again once the workers have exited, alone on the GPU."""
 
 
+# The driver's own out-of-memory, which bypasses torch's allocator and so its OutOfMemoryError: Triton
+# loading a kernel's module ("Triton Error [CUDA]: out of memory": the 11th H100 release run lost 17
+# k3-dims units to it while a needle shard held 46 GiB) and a raw CUDA call ("CUDA error: out of memory").
+_DRIVER_OOM = ("Triton Error [CUDA]: out of memory", "CUDA error: out of memory")
+
+
 def _out_of_device_memory(exc: BaseException) -> bool:
     import torch
-    return isinstance(exc, torch.OutOfMemoryError)
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and any(text in str(exc) for text in _DRIVER_OOM)
 
 
 def run_unit(unit: Unit, ctx: Context, *, defer_oom: bool = False) -> list[Result]:
