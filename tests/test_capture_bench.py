@@ -99,3 +99,19 @@ def test_host_added_ranks_what_only_the_watched_arm_ran_and_not_what_both_ran():
     assert [r["function"] for r in rows] == ["k3verify/capture/capture.py:9(on_step_words)", "x.py:5(f)",
                                              "engine.py:1(step)"]
     assert rows[0]["calls"] == 1.0 and abs(rows[1]["extra_ms"] - 0.2) < 1e-9 and rows[2]["extra_ms"] == 0.0
+
+
+def test_replay_times_counts_each_graph_launch_and_puts_the_launches_back():
+    from types import SimpleNamespace
+    ran = []
+    entries = {k: SimpleNamespace(replay=lambda k=k: ran.append(k)) for k in ("a", "b")}
+    originals = {k: e.replay for k, e in entries.items()}
+    eng = SimpleNamespace(fast=SimpleNamespace(graphs=SimpleNamespace(graphs=entries)))
+    got = capture_bench._replay_times(eng, lambda: [entries["a"].replay(), entries["b"].replay(),
+                                                    entries["a"].replay()])
+    assert ran == ["a", "b", "a"] and got["replays"] == 3, got        # the launches really ran, each timed
+    assert got["median_us"] >= 0 and got["max_us"] >= got["median_us"] and got["stream_idle_before"] == 1.0
+    assert all(e.replay is originals[k] for k, e in entries.items()), "the timing wrappers were left in place"
+    # control: an engine with no graph (the CPU's eager step) reports nothing, and still runs fn
+    bare = SimpleNamespace(fast=None)
+    assert capture_bench._replay_times(bare, lambda: ran.append("eager")) == {} and ran[-1] == "eager"

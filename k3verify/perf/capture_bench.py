@@ -257,7 +257,7 @@ def step_split(model, opts, donor, batch: int, observers: tuple, steps: int = 6)
     cProfile: the host's own time a step by Python function (session 24: the capture's steady steps
     carried +1.42 ms of host time the device did not cover, not yet attributed)."""
     import dataclasses
-    new_tokens = 3 * steps + 3              # the set-up step, the three runs, and a spare: no request finishes inside
+    new_tokens = 4 * steps + 3              # the set-up step, the four runs, and a spare: no request finishes inside
     if opts.device_cache_tokens:
         opts = dataclasses.replace(opts, device_cache_tokens=cache_tokens_for(batch, len(donor.ids), new_tokens))
     eng = seeded_engine(model, opts, donor, batch, new_tokens, observers)
@@ -271,10 +271,48 @@ def step_split(model, opts, donor, batch: int, observers: tuple, steps: int = 6)
     device_ms, activities = _device_time(lambda: [eng.step() for _ in range(steps)])
     device = device_ms / steps
     host = _host_time(lambda: [eng.step() for _ in range(steps)], steps)
+    replays = _replay_times(eng, lambda: [eng.step() for _ in range(steps)])
     assert not eng.results, "a request finished inside the profiled steps: the arms would time other work"
     watched = sum(len(rc.logits) for obs in observers for rc in obs.requests.values())   # the evidence
     return {"steps": steps, "wall_ms": wall, "device_ms": device, "host_uncovered_ms": wall - device,
-            "activities": activities / steps, "captured_logits_rows": watched, "host": host}
+            "activities": activities / steps, "captured_logits_rows": watched, "host": host,
+            "replay": replays}
+
+
+def _replay_times(eng, fn) -> dict:
+    """The graph launches of one call of fn, timed on the host without a profiler: per replay the
+    microseconds of the launch call and whether the stream was idle before it (session 24's host
+    profile: the watched step's `replay` took +0.71 ms with no more calls; a launch that waits on
+    queued work, or one that grew, tell these apart). {} where the engine replays no graph."""
+    graphs = getattr(getattr(eng, "fast", None), "graphs", None)
+    entries = list(getattr(graphs, "graphs", {}).values())
+    if not entries:
+        fn()
+        return {}
+    stream = torch.cuda.current_stream() if torch.cuda.is_available() else None
+    us, idle = [], []
+
+    def timed(real):
+        def replay() -> None:
+            idle.append(stream.query() if stream is not None else True)
+            t0 = time.perf_counter_ns()
+            real()
+            us.append((time.perf_counter_ns() - t0) / 1e3)
+        return replay
+
+    saved = [e.replay for e in entries]
+    for e in entries:
+        e.replay = timed(e.replay)
+    try:
+        fn()
+        sync()
+    finally:
+        for e, real in zip(entries, saved):
+            e.replay = real
+    if not us:
+        return {}
+    return {"replays": len(us), "median_us": sorted(us)[len(us) // 2], "max_us": max(us),
+            "stream_idle_before": sum(idle) / len(idle)}
 
 
 def _host_time(fn, steps: int) -> dict[str, list[float]]:
@@ -384,6 +422,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{sp['none']['activities']:.0f} / {sp['capture']['activities']:.0f} activities (profiled)")
     print("  the host's own time the capture adds a step (cProfile, inflated; the top 5): " + "; ".join(
         f"{r['function']} +{r['extra_ms']:.3f} ms ({r['calls']:+.0f} calls)" for r in doc["host_added"][:5]))
+    rp = {arm: sp[arm].get("replay") or {} for arm in ("none", "capture")}
+    if rp["none"] and rp["capture"]:
+        print(f"  a graph launch on the host, unwatched / watched: {rp['none']['median_us']:.0f} / "
+              f"{rp['capture']['median_us']:.0f} us (median; max {rp['none']['max_us']:.0f} / "
+              f"{rp['capture']['max_us']:.0f}), the stream idle before it "
+              f"{rp['none']['stream_idle_before']:.0%} / {rp['capture']['stream_idle_before']:.0%} of the time")
     ins = doc["in_step"]
     print(f"  digests inside the step: {ins['digest_steps']} steps of the last watched run"
           + (f" (turned off: {ins['off']})" if ins["off"] else ""))
