@@ -179,7 +179,7 @@ def _tokens_and_rows(model, **extra):
         eng.add_request(torch.randint(0, 256, (n,), generator=g).tolist(),
                         SamplingParams(max_new_tokens=6, ignore_eos=True), arrival_step=i // 2)
     res = eng.run()
-    return {k: r.tokens for k, r in res.items()}, cap.rows, eng.fast.stats
+    return {k: r.tokens for k, r in res.items()}, cap.rows, eng.fast.stats if eng.fast is not None else None
 
 
 def test_engine_with_graphs_equals_the_engine_without(gpu_model):
@@ -207,6 +207,22 @@ def test_the_absorbed_toggle_is_captured_and_replays_like_eager(gpu_model):
         g_toks, g_rows, stats = _tokens_and_rows(gpu_model, cuda_graphs=True)
     assert stats.graph_replays > 0 and stats.eager_reason is None, stats
     assert g_toks == toks and all(torch.equal(g_rows[k], rows[k]) for k in rows)
+
+
+def test_the_flash_bf16_toggle_decodes_batched_with_the_bits_of_its_one_request_calls(gpu_model):
+    """mla_flash_bf16's decode in the fast step (mla_step.paged_flash_bf16, eager and in graphs) gives
+    every row the bits of the engine without the fast step, where each request calls the toggle's
+    attention alone; the fast step took the paged form (no eager fallback, graphs replayed)."""
+    from optimized_stack import toggles
+    with toggles.applied(["mla_flash_bf16"]) as ap:
+        toks, rows, _ = _tokens_and_rows(gpu_model, batched_decode=False)
+        b_toks, b_rows, b_stats = _tokens_and_rows(gpu_model)
+        g_toks, g_rows, g_stats = _tokens_and_rows(gpu_model, cuda_graphs=True)
+    assert ap.events.get("op:attention", 0) > 0 and b_stats.steps > 0
+    assert g_stats.graph_replays > 0 and g_stats.eager_reason is None, g_stats
+    for name, (t, r) in {"batched": (b_toks, b_rows), "graphs": (g_toks, g_rows)}.items():
+        assert t == toks, f"{name}: tokens differ from the one-request calls"
+        assert all(torch.equal(r[k], rows[k]) for k in rows), f"{name}: a logits row differs"
 
 
 def test_paged_absorbed_kernel_in_bf16_is_close_to_fp64():

@@ -68,6 +68,28 @@ def test_paged_kernel_equals_the_reference_kernel_per_request(lengths, block_siz
         assert bit_equal(out[b:b + 1], ref), f"request {b} (length {n}): paged != reference kernel"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_lowp_form_equals_the_flash_bf16_call_per_request(dtype):
+    """lowp_pv (the mla_flash_bf16 toggle's batched decode, engine/fast/mla_step.py): request b's bits
+    are those of causal_attention(..., lowp_pv=True) on its own keys; control: the reference's fp32
+    P @ V gives other bits on the same inputs, so the comparison can tell the two forms apart."""
+    from optimized_stack.kernels.mla.attention import causal_attention
+    from optimized_stack.kernels.mla.paged import paged_decode_attention
+    lengths, block_size = (5, 64, 65, 130), 16
+    rows, kv, tables = _pools(lengths, block_size, dtype, seed=4)
+    q = torch.randn(len(lengths), H, C, generator=torch.Generator().manual_seed(5)).to(dtype).to(DEVICE)
+    slot = torch.arange(len(lengths), device=DEVICE)
+    pos = torch.tensor([n - 1 for n in lengths], device=DEVICE)
+    args = (q, rows, kv, tables, slot, pos, C ** -0.5)
+    low = paged_decode_attention(*args, nope=NOPE, v_dim=VD, block_size=block_size, lowp_pv=True)
+    ieee = paged_decode_attention(*args, nope=NOPE, v_dim=VD, block_size=block_size)
+    for b, n in enumerate(lengths):
+        k, v = _decompressed(rows, kv, tables[b], n, block_size)
+        want = causal_attention(q[b:b + 1], k, v, pos[b:b + 1], C ** -0.5, lowp_pv=True)
+        assert bit_equal(low[b:b + 1], want), f"request {b} (length {n}): paged lowp != the toggle's call"
+    assert not bit_equal(low, ieee), "lowp_pv changed no bit: the mode never reached the kernel"
+
+
 def test_negative_control_a_table_read_one_block_off_is_caught():
     from optimized_stack.kernels.mla.attention import causal_attention
     from optimized_stack.kernels.mla.paged import paged_decode_attention

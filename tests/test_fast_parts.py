@@ -235,6 +235,20 @@ def test_batched_decode_runs_the_absorbed_toggle_batched(model):
     assert runs[True] == runs[False]
 
 
+def test_the_fast_step_finds_a_paged_form_for_the_mla_ops_that_have_one():
+    """mla_absorbed (decode slot) and mla_flash_bf16 (attention slot) decode batched through their
+    paged forms; mla_sdpa (attention slot, torch's SDPA) has none and stays one request at a time,
+    which the capture check names. The forms run on CUDA (the kernel) and under Triton's interpreter
+    (tests/test_fast_paged_kernel.py); here the dispatch, with the ops behind their counting wrappers."""
+    from optimized_stack import toggles
+    from optimized_stack.engine.fast.mla_step import paged_absorbed, paged_flash_bf16, paged_form
+    assert paged_form() is None                                            # the reference: attend's own path
+    for name, want in (("mla_absorbed", paged_absorbed), ("mla_flash_bf16", paged_flash_bf16),
+                       ("mla_sdpa", None)):
+        with toggles.applied([name]):
+            assert paged_form() is want, name
+
+
 @pytest.mark.parametrize("with_rows_form", [True, False], ids=["rows-form", "partial-one-by-one"])
 def test_a_kda_decode_op_with_a_rows_form_runs_once_over_the_rows(monkeypatch, with_rows_form):
     """A KDA decode toggle's op with a rows form (kda_step.ROW_FORMS: fla's kernels over B

@@ -35,7 +35,7 @@ from ...model.ops import OPS, OpTable
 from ...toggles import base_form
 from .batch import ROW_IDS, ROW_KDA_SLOT, ROW_POS, ROW_TABLE_SLOT, BlockTables
 from .kda_step import FAST_KDA_ENV, kda_decode
-from .mla_step import PAGED_FORMS, PagedMLA, mla_decode
+from .mla_step import PagedMLA, mla_decode, paged_form
 from .moe_static import (routed_static, routed_static_fused, routed_static_fused_drop_last,
                          routed_static_fused_slot_order, routed_static_grouped)
 from .step_digests import StepDigests
@@ -99,7 +99,7 @@ class DecodeStep:
         if OPS.kda_decode is not None:
             # its rows form (kda_step.ROW_FORMS) is fla's Python entry point, not checked for host syncs
             return "a KDA decode op in the op table (its rows form, or one request at a time) is not captured"
-        if OPS.attention is not None or (OPS.mla_decode is not None and base_form(OPS.mla_decode) not in PAGED_FORMS):
+        if (OPS.attention is not None or OPS.mla_decode is not None) and paged_form() is None:
             return "an MLA attention op without a paged form runs one request at a time"
         if base_form(OPS.moe_experts) not in CAPTURABLE_EXPERTS:
             return f"routed experts {getattr(OPS.moe_experts, '__name__', OPS.moe_experts)!r} have data-dependent shapes"

@@ -8,7 +8,8 @@ request's block table, and attention reads the pools through the tables:
 - the reference decode attention (OPS.attention and OPS.mla_decode empty): the batched paged
   forms of engine/fast/paged_attention.py (CPU) and kernels/mla/paged.py (CUDA, invariant
   profile), bitwise the reference's blocked arithmetic;
-- a kernel toggle's decode op with a batched paged form in PAGED_FORMS: that form;
+- a kernel toggle's decode op with a batched paged form in PAGED_FORMS, or its attention op with
+  one in ATTENTION_PAGED_FORMS: that form;
 - any other op in the slots: the op itself one request at a time on the rows it expects
   (correct, slow, not capturable).
 
@@ -22,6 +23,7 @@ from typing import Callable
 import torch
 
 from ...kernels.mla.absorbed import mla_absorbed
+from ...kernels.mla.flash_bf16 import flash_bf16_attention
 from ...model import ops
 from ...model.mla import MLAttention, blocked_attention
 from ...model.ops import OPS, sigmoid
@@ -32,6 +34,31 @@ from .paged_attention import paged_attention_cpu
 # a kernel toggle's decode op (OPS.mla_decode) -> its batched paged form, which the fast step (and
 # its graphs) runs instead: (layer, q [B, H, C], pool, tables, table_slot, pos) -> [B, H, Vd] fp32
 PAGED_FORMS: dict[Callable, Callable] = {mla_absorbed: paged_absorbed}
+
+
+def paged_flash_bf16(layer: MLAttention, q, pool: "PagedMLA", tables, table_slot, pos) -> torch.Tensor:
+    """mla_flash_bf16's attention for B decode rows over the pools: each row's bits are those of its
+    own call (kernels/mla/paged.py lowp_pv). One request at a time, that toggle's GSM8K decode was
+    the release run's second-longest unit (118 s of 176 on k3-mini, H100 run 11)."""
+    from ...kernels.mla.paged import paged_decode_attention
+    cfg = layer.cfg
+    return paged_decode_attention(q, pool.rows, pool.kv, tables, table_slot, pos, cfg.qk_head_dim ** -0.5,
+                                  nope=cfg.qk_nope_head_dim, v_dim=cfg.v_head_dim, block_size=pool.block_size,
+                                  lowp_pv=True)
+
+
+# a kernel toggle's attention op (OPS.attention, with OPS.mla_decode empty) -> its batched paged form
+ATTENTION_PAGED_FORMS: dict[Callable, Callable] = {flash_bf16_attention: paged_flash_bf16}
+
+
+def paged_form(ops_table=OPS) -> Callable | None:
+    """The batched paged form the fast step runs for the MLA decode ops in force, or None: the
+    reference's (both slots empty: see `attend`) or an op with none (then one request at a time)."""
+    if ops_table.mla_decode is not None:
+        return PAGED_FORMS.get(base_form(ops_table.mla_decode))
+    if ops_table.attention is not None:
+        return ATTENTION_PAGED_FORMS.get(base_form(ops_table.attention))
+    return None
 
 
 class PagedMLA:
@@ -67,9 +94,9 @@ def attend(layer: MLAttention, q: torch.Tensor, pool: PagedMLA, tables: torch.Te
     """q [B, H, C] of request b at pos[b] over its rows 0..pos[b] -> [B, H, Vd] fp32."""
     cfg = layer.cfg
     scale = cfg.qk_head_dim ** -0.5
-    form = PAGED_FORMS.get(base_form(OPS.mla_decode))       # the slot holds a counting wrapper
+    form = paged_form()                                     # the slots hold counting wrappers
     if form is not None:
-        count_call(OPS.mla_decode)
+        count_call(OPS.mla_decode if OPS.mla_decode is not None else OPS.attention)
         return form(layer, q, pool, tables, table_slot, pos)
     if not _reference_attention_in_force(q):
         return _one_by_one(layer, q, pool, tables, table_slot, pos)

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from ..gpu_reference import check_runnable, fail, interpreting
-from .attention import KEY_BLOCK, PV_IEEE, TILES, key_block_update
+from .attention import KEY_BLOCK, PV_BF16, PV_IEEE, TILES, key_block_update
 
 
 @triton.jit
@@ -41,7 +41,8 @@ def _paged_decode_kernel(q_ptr, rows_ptr, kv_ptr, table_ptr, slot_ptr, pos_ptr, 
                          sq_b, sq_h, s_row, s_kv, s_kv_h, s_tab, so_b, so_h,
                          BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr,
-                         IEEE: tl.constexpr, UPCAST: tl.constexpr, SHIFT_TABLE: tl.constexpr):
+                         IEEE: tl.constexpr, UPCAST: tl.constexpr, SHIFT_TABLE: tl.constexpr,
+                         PV_MODE: tl.constexpr, WIDEN_PV: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
@@ -78,9 +79,15 @@ def _paged_decode_kernel(q_ptr, rows_ptr, kv_ptr, table_ptr, slot_ptr, pos_ptr, 
         if UPCAST:
             kt = kt.to(tl.float32)
         vb = tl.load(kv_ptr + phys[:, None] * s_kv + h * s_kv_h + NOPE + offs_v[None, :],
-                     mask=s_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)      # [BN, BV]
+                     mask=s_ok[:, None] & v_ok[None, :], other=0.0)                    # [BN, BV]
+        if PV_MODE == PV_IEEE:                  # the V tile as the contiguous kernel makes it, per mode
+            vb = vb.to(tl.float32)
+        else:
+            vb = vb.to(tl.bfloat16)
+            if WIDEN_PV:
+                vb = vb.to(tl.float32)
         m_i, l_i, acc = key_block_update(q, kt, vb, offs_s, s_ok, pos, start, m_i, l_i, acc, scale, IEEE,
-                                         PV_IEEE)
+                                         PV_MODE)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + b * so_b + h * so_h + offs_m[:, None] * 0 + offs_v[None, :], out,
              mask=row_ok[:, None] & v_ok[None, :])
@@ -88,11 +95,14 @@ def _paged_decode_kernel(q_ptr, rows_ptr, kv_ptr, table_ptr, slot_ptr, pos_ptr, 
 
 def paged_decode_attention(q: torch.Tensor, rows: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor,
                            slot: torch.Tensor, pos: torch.Tensor, scale: float, *, nope: int, v_dim: int,
-                           block_size: int, out: torch.Tensor | None = None,
+                           block_size: int, out: torch.Tensor | None = None, lowp_pv: bool = False,
                            _shift_table: int = 0, _block_m: int | None = None) -> torch.Tensor:
     """q [B, H, C]; rows [N*bs, R]; kv [N*bs, H*(nope+Vd)]; tables [slots, max_blocks] int32/int64;
     slot [B], pos [B] (request b's query sits at pos[b] and sees its keys 0..pos[b]) -> [B, H, Vd]
-    fp32. Shapes and dtypes are checked here; the values of slot / pos / tables are not read on
+    fp32. `lowp_pv`: P @ V on bf16 tensor cores, request b's bits those of the mla_flash_bf16 toggle's
+    call `causal_attention(..., lowp_pv=True)` on its own keys (the same PV_MODE through the same loop
+    body); the toggle's decode then runs batched in the fast step, not one request at a time
+    (engine/fast/mla_step.py). Shapes and dtypes are checked here; the values of slot / pos / tables are not read on
     the host (no sync: the caller builds them). `_shift_table` only for the negative control;
     `_block_m` only for perf/gpu_probes.py paged_tiles: a query tile of another height than the
     reference's (a decode's one query pads the tile: at B = 64 on k3-small the kernel took 184 us a
@@ -134,5 +144,6 @@ def paged_decode_attention(q: torch.Tensor, rows: torch.Tensor, kv: torch.Tensor
         BS=block_size, BLOCK_M=block_m, BLOCK_N=KEY_BLOCK,
         BLOCK_C=max(16, triton.next_power_of_2(c)), BLOCK_V=max(16, triton.next_power_of_2(v_dim)),
         IEEE=q.dtype == torch.float32 or upcast, UPCAST=upcast, SHIFT_TABLE=_shift_table,
+        PV_MODE=(PV_BF16 if lowp_pv else PV_IEEE).value, WIDEN_PV=interpreting(),
         num_warps=warps, num_stages=stages)
     return out
