@@ -50,6 +50,14 @@ if [ "${TESTS:-1}" = 1 ]; then
   since "pytest digest kernel rc=$?"
   tail -3 "$OUT/logs/pytest-digest-kernel.log"
 fi
+# GPU_TESTS (default empty): pytest node ids run first whatever TESTS says, for the changes since the
+# last call (e.g. one new kernel's GPU test, with its mutant's control), -m gpu not applied
+if [ -n "${GPU_TESTS:-}" ]; then
+  # shellcheck disable=SC2086 # a list of node ids
+  timeout "$(limit 150)" python3 -m pytest $GPU_TESTS -q -p no:cacheprovider -rs > "$OUT/logs/pytest-new.log" 2>&1
+  since "pytest GPU_TESTS rc=$?"
+  tail -3 "$OUT/logs/pytest-new.log"
+fi
 # the router GEMM's tiles and the paged MLA decode kernel's query tiles (perf/gpu_probes.py): us a call, bitwise the reference's
 timeout "$(limit 90)" python3 -m k3verify.perf.gpu_probes --out "$OUT/logs/probes" --only router_tiles,paged_tiles \
   > "$OUT/logs/probes.log" 2>&1
