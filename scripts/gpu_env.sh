@@ -42,6 +42,10 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 env_log() {
   {
     nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
+    # the host: the release units are host-bound (14 processes on 16 cores), and run 11's GSM8K units
+    # were ~30% slower than run 10's on another H100 host with nothing to tell the hosts apart
+    echo "host: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //'), $(nproc) cores"
+    nvidia-smi --query-gpu=clocks.max.sm,clocks.max.mem,power.limit --format=csv,noheader || true
     python3 - <<'PY'
 import importlib
 parts = []
