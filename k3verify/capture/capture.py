@@ -135,7 +135,10 @@ class Capture:
         # dtype, row shape, words). Filing B x 37 items a step in Python cost ~7 ms a step at B = 64
         # (session 17, the CPU); the engine's step now only launches and appends, and the items are
         # filed the first time `requests` is read (or every _Pending.LIMIT calls, memory bounded).
-        self._deferred: list[tuple[str, list, int, str, torch.dtype, tuple[int, ...], torch.Tensor]] = []
+        # A fast step's words come as one entry, ("step", layout, logits points, state points, words),
+        # expanded into its layout's groups only when filed: per step one append, not one a tensor.
+        self._deferred: list[tuple] = []
+        self._deferred_groups = 0           # groups the entries hold (the memory bound counts these)
         self.steps = 0
         self.finite_checked = True          # False: loaded from a v1 file, finiteness unknown
         self.stopped: str | None = None     # why the run stopped early (the sampler refused a row)
@@ -174,7 +177,8 @@ class Capture:
     def _defer_words(self, kind: str, points: list, layer: int, name: str, dtype: torch.dtype,
                      shape: tuple[int, ...], words: torch.Tensor) -> None:
         self._deferred.append((kind, points, layer, name, dtype, shape, words))
-        if len(self._deferred) >= _Pending.LIMIT:
+        self._deferred_groups += 1
+        if self._deferred_groups >= _Pending.LIMIT:
             self._flush()
 
     def _flush(self) -> None:
@@ -182,8 +186,8 @@ class Capture:
         for the same key replaces an earlier one's, as the direct calls do)."""
         if not self._deferred:
             return
-        batches, self._deferred = self._deferred, []
-        for kind, points, layer, name, dtype, shape, words in batches:
+        batches, self._deferred, self._deferred_groups = self._deferred, [], 0
+        for kind, points, layer, name, dtype, shape, words in self._expanded(batches):
             items = self._pending.register(words, dtype, shape)
             if kind == "logits":
                 for (rid, pos), item in zip(points, items):
@@ -192,6 +196,21 @@ class Capture:
                 key = (layer, name)
                 for (rid, n), item in zip(points, items):
                     self._request(rid).kda.setdefault(n, {})[key] = item
+
+    @staticmethod
+    def _expanded(batches: list[tuple]):
+        """The deferred entries as (kind, points, layer, name, dtype, shape, words) groups, a step's
+        entry as its layout's groups in layout order (what on_step_words filed one by one before)."""
+        for entry in batches:
+            if entry[0] != "step":
+                yield entry
+                continue
+            _, layout, logits_points, state_points, words = entry
+            for e, w in zip(layout, words.unbind(0)):
+                if e.kind == "logits":
+                    yield "logits", logits_points, -1, "", e.dtype, e.shape, w
+                else:
+                    yield "kda", state_points, e.layer, e.name, e.dtype, e.shape, w
 
     # ---- observer API -----------------------------------------------------------------
     def on_request(self, request_id: str, prompt_len: int) -> None:
@@ -247,11 +266,12 @@ class Capture:
         """The fast step's own digests: words[j][i] are the summary words of layout[j]'s row i, the
         logits row of logits_points[i] or KDA layer layout[j].layer's tensor of state_points[i]; filed
         as on_logits_rows / on_kda_states file theirs (the same items)."""
-        for entry, w in zip(layout, words):
-            if entry.kind == "logits":
-                self._defer_words("logits", logits_points, -1, "", entry.dtype, entry.shape, w)
-            else:
-                self._defer_words("kda", state_points, entry.layer, entry.name, entry.dtype, entry.shape, w)
+        if words.shape[0] != len(layout):
+            raise ValueError(f"on_step_words: {words.shape[0]} words rows for a layout of {len(layout)} tensors")
+        self._deferred.append(("step", layout, logits_points, state_points, words))
+        self._deferred_groups += len(layout)
+        if self._deferred_groups >= _Pending.LIMIT:
+            self._flush()
 
     def on_kda_state(self, request_id: str, num_tokens: int, layer: int, state: Any) -> None:
         point = self.request(request_id).kda.setdefault(num_tokens, {})
