@@ -74,6 +74,9 @@ EVENTS = {
     "fast_fused_combine_three_plus": "the fused combine summed three or more experts a row, where the "
                                      "order of the sum shows in its bits (FastDecoder.run; only where "
                                      "num_experts_per_token > 2)",
+    "fused_situ": "the routed experts' SiTU-GLU ran as the fused Triton kernel (fused_situ): a decode step's "
+                  "request rows (FastDecoder.run), a prefill MoE layer's (token, expert) rows "
+                  "(engine._sorted_experts)",
     # k3verify/run/sequential.py (the verifier's runner-level toggles)
     "prompt_via_step_api": "a prompt was fed through the step API in more than one call",
     "state_roundtrip": "a request's state was serialised to bytes and restored",

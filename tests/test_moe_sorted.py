@@ -125,3 +125,21 @@ def test_the_engine_runs_sorted_experts_only_when_no_toggle_holds_the_slot():
     # a toggle's own experts in the slot win: the sorted form does not run
     _, fired_with_slot = run(on, moe_experts=MoE.routed)
     assert fired_with_slot == 0
+
+
+def test_fused_situ_on_the_cpu_is_the_torch_form_and_fires_nothing():
+    """fused_situ's kernel runs on CUDA tensors only: on the CPU the decode step's static experts and
+    the sorted prefill experts keep model/ops.py situ (the same tokens as without the option) and its
+    event never fires, so the CPU gate cannot mistake the torch form for the kernel's evidence."""
+    model = init_model(preset_config("k3-mini")).eval()
+    base = dict(prefill_sorted_experts=True, batched_decode=True, projected_kv_cache=True, continuous_batching=True)
+
+    def run(**extra):
+        engine = Engine(model, EngineOptions(**base, **extra))
+        engine.add_request(list(range(5, 45)), SamplingParams(max_new_tokens=4), request_id="r")
+        return engine.run()["r"].tokens, engine.events
+
+    plain, _ = run()
+    tokens, events = run(fused_situ=True)
+    assert tokens == plain and events["fast_decode_rows"] > 0 and events["prefill_sorted_experts"] > 0
+    assert events.get("fused_situ", 0) == 0, "the fused SiTU-GLU's event fired on the CPU, where no kernel ran"

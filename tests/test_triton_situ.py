@@ -8,7 +8,8 @@ what the interpreter can prove bit for bit is the kernel's own: a row's bits wha
 and whatever the strides. Without a GPU the PTX the kernel compiles to for sm_90 is read for the
 instructions the bitwise argument rests on. Each check has a negative control that must fail (the
 seeded fault that drops linear_beta, a function whose rows mix, the PTX of the variants each
-instruction check guards against). Bad input is one line.
+instruction check guards against). Bad input is one line. Through the engine, the option reaches
+the decode step and the sorted prefill experts and fires its event in both.
 Shape letters: R rows, F expert width, E experts, T tokens."""
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import collections
 import pytest
 import torch
 
-from triton_env import DEVICE, INTERPRET, MARKS, bit_equal, row_mismatches
+from triton_env import DEVICE, ENGINE_PROMPTS, INTERPRET, MARKS, bit_equal, engine_run, row_mismatches
 
 pytestmark = MARKS + [pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")]
 
@@ -198,6 +199,29 @@ def test_the_sm90_ptx_has_the_instructions_the_bitwise_argument_needs():
         return [k for k in c if k in ("mul.f32", "add.f32", "sub.f32")]
     assert not bare(ops) and bare(fused) and fused["fma.rn.f32"] > ops["fma.rn.f32"], (ops, fused)
     assert ops["cvt.rn.bf16.f32"], ops
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter form of the engine test (on a GPU the selftest judges it)")
+def test_the_engine_runs_the_kernel_in_decode_and_sorted_prefill_and_fires_its_event():
+    """The option's wiring: the batched decode step's static experts (the event counts its rows,
+    one a request a step) and, with prefill_sorted_experts, the prefill's (T * k rows a MoE layer).
+    The interpreter's tanh is not torch's, so tokens, not bits, are what the plain run must share."""
+    from optimized_stack import load_model
+    model = load_model("k3-mini", device="cpu", dtype=torch.bfloat16)
+    tokens, rows, events = engine_run(model, ENGINE_PROMPTS)
+    d_tokens, _, d_events = engine_run(model, ENGINE_PROMPTS, fused_situ=True)
+    assert events.get("fused_situ", 0) == 0, "the control fired the fused SiTU-GLU's event"
+    assert d_events["fused_situ"] == d_events["fast_decode_rows"], "decode alone: one row a request a step"
+    p_tokens, p_rows, p_events = engine_run(model, ENGINE_PROMPTS, fused_situ=True, prefill_sorted_experts=True)
+    moe_layers = sum(model.config.is_moe_layer(i) for i in range(model.config.num_layers))
+    prefill_rows = sum(map(len, ENGINE_PROMPTS)) * model.config.num_experts_per_token * moe_layers
+    assert p_events["fused_situ"] == p_events["fast_decode_rows"] + prefill_rows
+    assert d_tokens == p_tokens == tokens
+    # negative control: the dropped linear_beta through the same wiring changes the logits
+    _, m_rows, m_events = engine_run(model, ENGINE_PROMPTS, fused_situ=True, prefill_sorted_experts=True,
+                                     faults={"mut_fused_situ_no_linear_beta"})
+    assert m_events["fused_situ"] == p_events["fused_situ"]
+    assert all(not bit_equal(m_rows[k], rows[k]) for k in rows), "a logits row survived the dropped linear_beta"
 
 
 def _magnitudes(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:

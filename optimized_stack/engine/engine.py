@@ -296,17 +296,21 @@ class Engine:
     def _sorted_experts_form(self):
         """Option prefill_sorted_experts: the experts op for the forwards outside the batched decode
         step, one host sync per layer (kernels/moe/sorted.py, bit-identical to MoE.routed), counting
-        its calls; None with the option off. Built once per engine."""
+        its calls; None with the option off. With fused_situ its activation is the fused kernel on
+        CUDA (kernels/moe/situ_form.py), counting the rows it took. Built once per engine."""
         if not self.opts.prefill_sorted_experts:
             return None
         from ..kernels.moe import sorted as sorted_experts
+        from ..kernels.moe.situ_form import situ_form
         form = (sorted_experts.routed_sorted_weights_unsorted
                 if "mut_sorted_experts_weights_unsorted" in self.opts.faults else sorted_experts.routed_sorted)
         events = self.events
+        act = (situ_form(self.opts.faults, lambda rows: events.fire("fused_situ", rows))
+               if self.opts.fused_situ else None)
 
         def experts(moe, h, idx, w):
             events.fire("prefill_sorted_experts")
-            return form(moe, h, idx, w)
+            return form(moe, h, idx, w, _situ=act)
         return experts
 
     def _segment_mixers_forms(self) -> dict | None:

@@ -50,6 +50,8 @@ FAULTS = {
     "mut_fused_conv_stale_window": "the fused decode conv stores the new input but leaves the older taps unshifted",
     "mut_fused_combine_slot_order": "the fused MoE combine adds the chosen experts in slot order, not expert order",
     "mut_fused_combine_drops_last": "the fused MoE combine leaves each row's highest expert out",
+    "mut_fused_situ_fast_exp": "the fused SiTU-GLU's sigmoid takes tl.exp (ex2.approx) instead of libdevice's expf",
+    "mut_fused_situ_no_linear_beta": "the fused SiTU-GLU drops the linear_beta factor of its up half",
     "mut_graph_stale_input": "a replayed CUDA graph reads last replay's token ids (the input copy is skipped)",
     "mut_fast_kda_stale_value_tiles": "the batched decode step writes back only the first 64-wide value tile "
                                       "of each KDA state (inert while the value head is <= 64)",
@@ -75,6 +77,7 @@ REQUIRES = {
     "cuda_graphs": "batched_decode",
     "fused_kda_conv": "batched_decode",
     "fused_moe_combine": "batched_decode",
+    "fused_situ": "batched_decode",
     # not needed by their code (any forward can take them; the mixers need several segments in one
     # forward_batch, which batched_decode's continuous batching gives), but they belong to the counted
     # fast stack (k3verify/serving/stack.py: the exact toggles that switch the batched decode step on)
@@ -129,6 +132,9 @@ class EngineOptions:
     fused_kda_conv: bool = False
     # engine/fast: the static experts' combine as one Triton launch (kernels/moe/combine.py)
     fused_moe_combine: bool = False
+    # the routed experts' SiTU-GLU as one Triton launch where its tensors are on CUDA (kernels/moe/situ.py):
+    # the batched decode step's static experts, and prefill's sorted experts when prefill_sorted_experts is on
+    fused_situ: bool = False
     # the forwards outside the batched decode step (prefill chunks, verifications): routed experts
     # with one host sync per layer instead of one per expert (kernels/moe/sorted.py), bit-identical
     prefill_sorted_experts: bool = False

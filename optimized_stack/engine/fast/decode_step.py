@@ -21,6 +21,7 @@ Shape letters: Bp padded rows, D hidden, V vocab.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from dataclasses import fields
 from typing import Iterator
@@ -29,6 +30,7 @@ import torch
 
 from ...config import KDA
 from ...kernels.gpu_reference import interpreting
+from ...kernels.moe.situ_form import situ_form
 from ...model import ops
 from ...model.attn_res import AttnResRead
 from ...model.ops import OPS, OpTable
@@ -77,14 +79,19 @@ class DecodeStep:
         self.fused_conv = narrow and ("stale_window" if "mut_fused_conv_stale_window" in opts.faults
                                       else opts.fused_kda_conv)
         # fused_moe_combine: the static experts' combine as one Triton launch (kernels/moe/combine.py)
-        self.experts = (routed_static_fused_slot_order if "mut_fused_combine_slot_order" in opts.faults
+        self.combine = (routed_static_fused_slot_order if "mut_fused_combine_slot_order" in opts.faults
                         else routed_static_fused_drop_last if "mut_fused_combine_drops_last" in opts.faults
                         else routed_static_fused if opts.fused_moe_combine else routed_static)
-        if (self.fused_conv or self.experts is not routed_static) and model.device.type != "cuda" \
+        if (self.fused_conv or self.combine is not routed_static) and model.device.type != "cuda" \
                 and not interpreting():
             raise ValueError("fused_kda_conv and fused_moe_combine are Triton kernels: they need a CUDA model "
                              "(or TRITON_INTERPRET=1)")
+        # fused_situ: the experts' SiTU-GLU as one Triton launch (kernels/moe/situ.py) where the step's
+        # tensors are on CUDA; a CPU model keeps the torch form and the event stays silent
+        situ = situ_form(opts.faults, self._situ_ran) if opts.fused_situ else None
+        self.experts = self.combine if situ is None else functools.partial(self.combine, _situ=situ)
         self.combine_fused = False    # whether the last traced forward ran the fused combine (its event)
+        self.situ_fused = False       # ... and the fused SiTU-GLU (its event)
         # an observer's digests taken inside the step (step_digests.py); set by the engine, None: off
         self.digests: StepDigests | None = None
 
@@ -108,13 +115,17 @@ class DecodeStep:
         return None
 
     # ---- the forward ---------------------------------------------------------------------
+    def _situ_ran(self, rows: int) -> None:
+        self.situ_fused = True
+
     @contextlib.contextmanager
     def _static_experts(self) -> Iterator[None]:
+        self.situ_fused = False                      # set again by the fused activation's call
         if OPS.moe_experts is not None:              # a toggle's experts win (grouped, a mutant)
             self.combine_fused = False
             yield
             return
-        self.combine_fused = self.experts is not routed_static
+        self.combine_fused = self.combine is not routed_static
         with ops.override(moe_experts=self.experts):
             yield
 

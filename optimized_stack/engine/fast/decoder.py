@@ -119,6 +119,8 @@ class FastDecoder:
             self.events.fire("fast_fused_combine_rows", len(reqs))
             if self.model.config.num_experts_per_token > 2:
                 self.events.fire("fast_fused_combine_three_plus", len(reqs))
+        if self.step.situ_fused:                                         # set by the (captured) forward
+            self.events.fire("fused_situ", len(reqs))
         return FastResult(rows, tokens, words)
 
     def _forward(self, meta_host: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

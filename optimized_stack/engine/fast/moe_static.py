@@ -8,7 +8,8 @@ the rest of the buffer zeros, and the expert's GEMMs run on the whole buffer:
 
 - the GEMMs are the reference's own (OPS.linear, row-invariant: CPU fixed tiles, cuBLAS bf16 on
   the GPU profile), so a real row's bits equal the reference's per-expert GEMM on its rows;
-- the activation runs once over [E, T, F] (elementwise: an element's bits are its own);
+- the activation runs once over [E, T, F] (elementwise: an element's bits are its own), as torch
+  ops or, with the engine option fused_situ, as one Triton launch (`_situ`, kernels/moe/situ.py);
 - the combine is the reference's: per row, starting from zeros, add w * out in ascending
   expert index.
 No host sync, no data-dependent shape: capturable in a CUDA graph. Cost: E * T rows per GEMM
@@ -20,9 +21,13 @@ Shape letters: T tokens, k experts per token, E experts, De expert input width, 
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ...model.ops import OPS, situ, swiglu
+
+Act = Callable[[torch.Tensor, torch.Tensor, float, float], torch.Tensor]
 
 
 def placement(idx: torch.Tensor, n_exp: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,8 +46,11 @@ def placement(idx: torch.Tensor, n_exp: int) -> tuple[torch.Tensor, torch.Tensor
     return flat, (seen[flat, slots] - 1).long()
 
 
-def _act(cfg, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return situ(gate, up, cfg.situ_beta, cfg.situ_linear_beta) if cfg.activation == "situ" else swiglu(gate, up)
+def _act(cfg, gate: torch.Tensor, up: torch.Tensor, situ_form: Act | None = None) -> torch.Tensor:
+    """The experts' GLU activation; `situ_form` replaces model/ops.py situ (None: situ itself)."""
+    if cfg.activation != "situ":
+        return swiglu(gate, up)
+    return (situ_form or situ)(gate, up, cfg.situ_beta, cfg.situ_linear_beta)
 
 
 def _combine(out: torch.Tensor, flat: torch.Tensor, pos: torch.Tensor, idx: torch.Tensor,
@@ -67,10 +75,11 @@ def _dispatch(h: torch.Tensor, flat: torch.Tensor, pos: torch.Tensor, n_exp: int
 
 
 def routed_static(moe, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, *,
-                  _fused_combine: bool | str = False) -> torch.Tensor:
+                  _fused_combine: bool | str = False, _situ: Act | None = None) -> torch.Tensor:
     """MoE.routed on static shapes (module docstring). h [T, De] -> [T, De] fp32.
     `_fused_combine` (routed_static_fused) combines in one Triton launch; "slot_order" and
-    "drop_last" are its seeded faults."""
+    "drop_last" are its seeded faults. `_situ`: the activation in situ's place (fused_situ's
+    kernels/moe/situ.py situ_form; None: model/ops.py situ)."""
     experts = moe.experts
     n_exp, top_k = len(experts), idx.shape[1]
     flat, pos = placement(idx, n_exp)
@@ -78,7 +87,7 @@ def routed_static(moe, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, *,
     lin = OPS.linear
     gate = torch.stack([lin(xs[e], ex.w1.weight) for e, ex in enumerate(experts)])    # [E, T, F]
     up = torch.stack([lin(xs[e], ex.w3.weight) for e, ex in enumerate(experts)])
-    act = _act(moe.cfg, gate, up)
+    act = _act(moe.cfg, gate, up, _situ)
     out = torch.stack([lin(act[e], ex.w2.weight) for e, ex in enumerate(experts)]).float()   # [E, T, De]
     if _fused_combine:
         from ...kernels.moe.combine import fused_combine
@@ -87,20 +96,23 @@ def routed_static(moe, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, *,
     return _combine(out, flat, pos, idx, w)
 
 
-def routed_static_fused(moe, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def routed_static_fused(moe, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, *,
+                        _situ: Act | None = None) -> torch.Tensor:
     """routed_static with the combine as one Triton launch (fused_moe_combine: bit-identical,
     kernels/moe/combine.py)."""
-    return routed_static(moe, h, idx, w, _fused_combine=True)
+    return routed_static(moe, h, idx, w, _fused_combine=True, _situ=_situ)
 
 
-def routed_static_fused_slot_order(moe, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def routed_static_fused_slot_order(moe, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, *,
+                                   _situ: Act | None = None) -> torch.Tensor:
     """The seeded fault mut_fused_combine_slot_order: the fused combine adds in slot order."""
-    return routed_static(moe, h, idx, w, _fused_combine="slot_order")
+    return routed_static(moe, h, idx, w, _fused_combine="slot_order", _situ=_situ)
 
 
-def routed_static_fused_drop_last(moe, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def routed_static_fused_drop_last(moe, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, *,
+                                  _situ: Act | None = None) -> torch.Tensor:
     """The seeded fault mut_fused_combine_drops_last: each row's highest expert left out."""
-    return routed_static(moe, h, idx, w, _fused_combine="drop_last")
+    return routed_static(moe, h, idx, w, _fused_combine="drop_last", _situ=_situ)
 
 
 def routed_static_grouped(moe, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, *,

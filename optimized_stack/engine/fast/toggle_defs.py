@@ -113,6 +113,30 @@ _mut("mut_sorted_experts_weights_unsorted", "prefill_sorted_experts", "the sorte
      "the expert-ordered outputs by routing weights still in (row, slot) order", SORTED, ("logits",),
      "ops/moe_experts", ("prefill_sorted_experts",))
 
+# exact: the routed experts' SiTU-GLU (model/ops.py situ: 12 torch kernels over [rows, F] in fp32) as one
+# Triton launch running torch's CUDA ops in torch's order (kernels/moe/situ.py), in the batched decode
+# step's static experts and in the sorted prefill experts. The toggle switches the sorted experts on with
+# it so that its own verdict judges both forms the kernel runs in (without them a prefill keeps the
+# reference's experts and the prefill form would be judged nowhere); a scenario's prefill runs first,
+# so a fault in the kernel shows first in the sorted experts' op slot. CUDA only: on the CPU the torch
+# form runs and the event stays silent.
+FUSED_SITU = {**SORTED, "fused_situ": True}
+register(Toggle(
+    name="fused_situ", contract=EXACT, touches=ALL, engine=FUSED_SITU, devices=CUDA,
+    requires=_requires(FUSED_SITU, "fused_situ"), exercised_by=EXERCISED_BY, events=("fused_situ",),
+    description="the routed experts' SiTU-GLU activation as one Triton launch (libdevice tanhf / expf, "
+                "IEEE division, no FMA, torch's order and bf16 rounding), in the batched decode step's "
+                "static experts and the sorted prefill experts"))
+# a few ULP in the sigmoid, in fp32, before the bf16 rounding: only the GPU's bitwise check sees it (the
+# interpreter has no libdevice), and on k3-mini only where one of the scenario's ~10^5 activations
+# sits that close to a bf16 rounding boundary (a handful expected on multi_length's prefills)
+_mut("mut_fused_situ_fast_exp", "fused_situ", "the fused SiTU-GLU's sigmoid takes tl.exp (ex2.approx of "
+     "x * log2 e) instead of libdevice's expf: a few fp32 ULP", FUSED_SITU, ("logits",), "ops/moe_experts",
+     ("fused_situ",), devices=CUDA)
+_mut("mut_fused_situ_no_linear_beta", "fused_situ", "the fused SiTU-GLU leaves out the linear_beta factor "
+     "of its up half (tanh(u / lb) unscaled)", FUSED_SITU, ("logits",), "ops/moe_experts", ("fused_situ",),
+     devices=CUDA)
+
 # exact: the forwards over several requests with each KDA and MLA layer's token-wise work (projections,
 # gates, norms, the convs over one joined sequence, o_proj) on every segment's rows at once, the
 # recurrence and the attention per segment (kernels/kda/segments.py, kernels/mla/segments.py): ~45

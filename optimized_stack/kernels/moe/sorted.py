@@ -16,6 +16,7 @@ What each step keeps equal to the reference, so the bits cannot differ:
   by pointer alignment; a view at an offset could differ);
 - the activation runs once over all groups' gate/up rows: it is elementwise, so an element's bits
   are its own (on the CPU model/ops.py keeps every element on the SIMD path whatever the size);
+  with the engine option fused_situ, as one Triton launch on CUDA (`_situ`, kernels/moe/situ_form.py);
 - the combine is the reference's: per row, from zeros, w * out added in ascending expert index.
 Per active expert 5 launches (gather, three GEMMs, the clone) instead of ~30; per layer ~40 more.
 
@@ -25,14 +26,17 @@ Shape letters: T tokens, k experts per token, E experts, De expert input width, 
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ...model.ops import OPS, situ, swiglu
 
 
 def routed_sorted(moe, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, *,
-                  _weights_unsorted: bool = False) -> torch.Tensor:
-    """MoE.routed with the experts' rows from one sort (module docstring). h [T, De] -> [T, De] fp32."""
+                  _weights_unsorted: bool = False, _situ: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+    """MoE.routed with the experts' rows from one sort (module docstring). h [T, De] -> [T, De] fp32.
+    `_situ`: the activation in model/ops.py situ's place (None: situ itself)."""
     n_tok, d_e = h.shape
     top_k = idx.shape[1]
     flat = idx.reshape(-1)                                            # [T*k] expert of each (row, slot)
@@ -48,7 +52,8 @@ def routed_sorted(moe, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, *,
     xs = [h.index_select(0, rows[a:b]) for _, a, b in active]         # fresh [n_e, De], as h[rows]
     gate = torch.cat([lin(x, moe.experts[e].w1.weight) for (e, _, _), x in zip(active, xs)])   # [T*k, F]
     up = torch.cat([lin(x, moe.experts[e].w3.weight) for (e, _, _), x in zip(active, xs)])
-    act = situ(gate, up, cfg.situ_beta, cfg.situ_linear_beta) if cfg.activation == "situ" else swiglu(gate, up)
+    act = ((_situ or situ)(gate, up, cfg.situ_beta, cfg.situ_linear_beta) if cfg.activation == "situ"
+           else swiglu(gate, up))
     out = torch.cat([lin(act[a:b].clone(), moe.experts[e].w2.weight) for e, a, b in active]).float()   # [T*k, De]
     w_sorted = w.reshape(-1) if _weights_unsorted else w.reshape(-1)[order]
     contrib = torch.empty(n_tok * top_k, d_e, dtype=torch.float32, device=h.device)
@@ -62,6 +67,7 @@ def routed_sorted(moe, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, *,
     return y
 
 
-def routed_sorted_weights_unsorted(moe, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def routed_sorted_weights_unsorted(moe, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, *,
+                                   _situ: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
     """The seeded fault mut_sorted_experts_weights_unsorted (module docstring)."""
-    return routed_sorted(moe, h, idx, w, _weights_unsorted=True)
+    return routed_sorted(moe, h, idx, w, _weights_unsorted=True, _situ=_situ)
