@@ -31,7 +31,7 @@ def test_smoke_runs_end_to_end(tmp_path, capsys):
     assert set(summary["decode_tok_s"]) == {"1", "2"} and all(v > 0 for v in summary["decode_tok_s"].values())
     assert summary["contracts"] == {"reference": True, "continuous_batching": True, "batched_decode": True,
                                     "cuda_graphs": False, "fused_kda_conv": False, "fused_moe_combine": False,
-                                    "mla_absorbed": False, "moe_grouped_static": False}
+                                    "fused_situ": False, "mla_absorbed": False, "moe_grouped_static": False}
     doc = json.loads((tmp_path / "engine_bench.json").read_text())
     bd = next(c for c in doc["contracts"] if c["row"] == "batched_decode")
     assert bd["held"] and bd["rows_compared"] > 0 and bd["fast"]["steps"] > 0

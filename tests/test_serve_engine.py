@@ -107,7 +107,7 @@ def test_counted_stack_is_the_fast_path_that_runs_on_the_device():
     # every exact fast-path toggle of the device: the fused decode kernels too, judged by the same
     # suite's selftest (a toggle whose contract failed would fail that run, not pass unseen)
     assert set(counted_toggles("cuda")) == {"batched_decode", "cuda_graphs", "fused_kda_conv", "fused_moe_combine",
-                                            "prefill_sorted_experts", "prefill_batched_mixers"}
+                                            "fused_situ", "prefill_sorted_experts", "prefill_batched_mixers"}
     stack = serve_stack("counted", [], "cpu")
     assert stack.label == "engine[batched_decode,prefill_batched_mixers,prefill_sorted_experts,projected_kv_cache]", "requires are applied and named"
     assert serve_stack(None, [], "cpu").label == "reference"
@@ -254,7 +254,7 @@ def test_served_stack_row_fails_on_another_stack_and_is_not_exercised_without_ev
     # cuda_graphs is proven by its replays, not by the batched step it shares with batched_decode
     graphs = serve_stack("counted", [], "cuda")
     eager = kvv_kind.served_stack_result(graphs, graphs.label, Counter({graphs.label: 5}), {"fast_decode_rows": 9}, "s")
-    fused = {"fast_fused_conv_rows": 9, "fast_fused_combine_rows": 9, "prefill_sorted_experts": 9,
+    fused = {"fast_fused_conv_rows": 9, "fast_fused_combine_rows": 9, "fused_situ": 9, "prefill_sorted_experts": 9,
              "prefill_batched_mixers": 1}
     replayed = kvv_kind.served_stack_result(graphs, graphs.label, Counter({graphs.label: 5}),
                                             {"fast_decode_rows": 9, "graph_replay": 9, **fused}, "s")
@@ -262,9 +262,10 @@ def test_served_stack_row_fails_on_another_stack_and_is_not_exercised_without_ev
     # each fused kernel proves itself by its own event: replays without one are not enough
     no_combine = kvv_kind.served_stack_result(graphs, graphs.label, Counter({graphs.label: 5}),
                                               {"fast_decode_rows": 9, "graph_replay": 9,
-                                               "fast_fused_conv_rows": 9, "prefill_sorted_experts": 9,
-                                               "prefill_batched_mixers": 1}, "s")
+                                               "fast_fused_conv_rows": 9, "fused_situ": 9,
+                                               "prefill_sorted_experts": 9, "prefill_batched_mixers": 1}, "s")
     assert no_combine.status == "not_exercised" and "fused_moe_combine" in no_combine.reason
+    assert "fused_situ (fused_situ)" not in no_combine.reason, "a kernel whose event fired was named silent"
 
 
 @pytest.mark.parametrize("options,match", [

@@ -60,6 +60,8 @@ def test_prefill_cell_prefills_the_whole_prompt_in_one_step(mini):
 
 def test_the_sorted_stack_is_the_fused_stack_plus_the_sorted_prefill_experts():
     assert sp.STACKS["+sorted"] == sp.STACKS["+fused"] + ("prefill_sorted_experts",)
+    # fused_situ's engine carries the sorted experts: its row is timed against +sorted, nothing else added
+    assert sp.STACKS["+situ"] == sp.STACKS["+sorted"] + ("fused_situ",)
 
 
 def test_launch_sites_sum_device_time_by_the_model_line():

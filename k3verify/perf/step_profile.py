@@ -10,11 +10,12 @@ ms = step - replay, device activities per eager step and their device ms) and st
 (torch.profiler's table for an eager step at each batch). Timings are of real copied contexts
 (fast_bench_setup.seeded_engine), as the benchmark's are. --prefill N profiles one engine step that
 prefills an N-token prompt on each of --prefill-stacks, side by side (prefill runs the reference
-forward, or with +sorted its routed experts through kernels/moe/sorted.py: the fast step only takes
-plain decodes), the step that dominates GSM8K's five-shot prompts on the GPU. --sites adds, per stack
-and batch, the eager step's device time by the model line that launched it (torch.profiler with
-stacks, the innermost optimized_stack frame): step_sites.txt, the pointer to which casts and copies
-a fused kernel would remove (2026-12-02: copies and casts were ~28% of the step's device time).
+forward, or with +sorted its routed experts through kernels/moe/sorted.py, with +situ their SiTU-GLU
+as one Triton launch too: the fast step only takes plain decodes), the step that dominates GSM8K's
+five-shot prompts on the GPU. --sites adds, per stack and batch, the eager step's device time by the
+model line that launched it (torch.profiler with stacks, the innermost optimized_stack frame):
+step_sites.txt, the pointer to which casts and copies a fused kernel would remove (2026-12-02:
+copies and casts were ~28% of the step's device time).
 """
 from __future__ import annotations
 
@@ -46,6 +47,9 @@ STACKS = {
     "+moe_grouped_static+fused_conv": GRAPHS + ("moe_grouped_static", "fused_kda_conv"),
     # the counted stack with prefill's routed experts on one host sync per layer (issue 27 item 3)
     "+sorted": GRAPHS + FUSED + ("prefill_sorted_experts",),
+    # and the routed experts' SiTU-GLU as one launch, in decode and in the sorted prefill (fused_situ switches
+    # the sorted experts on itself, so it is timed here against +sorted, not beside +fused)
+    "+situ": GRAPHS + FUSED + ("prefill_sorted_experts", "fused_situ"),
 }
 DEFAULT_STACKS = "cuda_graphs,+moe_grouped_static"
 

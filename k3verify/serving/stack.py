@@ -7,8 +7,8 @@
 served by the engine (backends/engine_backend.py). "counted" means the fast decode path that
 counts as a speedup on the device: every exact optimization that switches the engine's batched
 decode step on (engine option `batched_decode`) and runs on that device, i.e. batched_decode on
-the CPU and batched_decode + cuda_graphs + the fused decode kernels (fused_kda_conv,
-fused_moe_combine) on CUDA. Which toggles a suite run finally counted is only
+the CPU and batched_decode + cuda_graphs + the fused kernels (fused_kda_conv, fused_moe_combine,
+fused_situ) on CUDA. Which toggles a suite run finally counted is only
 known after the run (suites/verdicts.py); this is the set whose verdicts that run is about, so
 `--toggle NAME` names any other set explicitly.
 
