@@ -201,6 +201,30 @@ def test_a_capture_of_batched_states_reads_as_the_per_request_calls(monkeypatch)
     assert all(":m31x4:" in it.digest for rc in batched.requests.values() for pt in rc.kda.values() for it in pt.values())
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["int64-products", "wide-products"])
+def test_both_product_forms_give_the_torch_forms_words(wide):
+    """_row_block's WIDE (int32 halves and constants widened for the product) against the int64 form:
+    the torch form's words for every dtype class (bytes, halves of bf16 / fp32 / int64, bool), rows
+    read in place among them; the byte-odd and all-NaN rows are there so the shift and the
+    finiteness take both paths."""
+    from k3verify.compare.digest_kernel import summary_words_many
+    g = torch.Generator().manual_seed(11)
+    ts = [t.to(DEVICE) for t in _mixed(3)] + [torch.randint(-2 ** 40, 2 ** 40, (5, 7), generator=g).to(DEVICE),
+                                               torch.rand(4, 9, generator=g).gt(0.5).to(DEVICE),
+                                               torch.full((3, 6), float("nan")).to(DEVICE)]
+    got = [w.cpu() for w in summary_words_many(ts, wide=wide)]
+    assert all(_same(a, _torch(t, rows=True)) for a, t in zip(got, ts))
+    pool = torch.randn(9, 3, 5, 4, generator=g).to(torch.bfloat16).to(DEVICE)
+    slots = torch.randint(0, 9, (12,), generator=g).to(DEVICE)
+    (w,) = summary_words_many([pool], [slots], wide=wide)
+    assert _same(w.cpu(), _torch(pool.index_select(0, slots), rows=True))
+    # control: a flipped bit of one row changes that row's words in this form too
+    flipped = ts[-3].clone()
+    flipped[2, 3] ^= 1
+    (a,), (b,) = summary_words_many([ts[-3]], wide=wide), summary_words_many([flipped], wide=wide)
+    assert torch.equal(a[:2], b[:2]) and not torch.equal(a[2], b[2])
+
+
 def test_the_benchs_digest_cost_runs_every_form_and_finds_their_words_equal():
     """perf/capture_bench.digest_cost's arms (the per-tensor kernel, the form before session 17, the
     grouped form, the fast step's in-place form) on k3-mini's step shapes: the same words, so its A/B
@@ -212,7 +236,7 @@ def test_the_benchs_digest_cost_runs_every_form_and_finds_their_words_equal():
     dc = digest_cost(load_model("k3-mini", device=DEVICE), batch=2, reps=1)
     assert dc["forms_same_words"] is True and dc["kernel_broken"] is None
     assert {"stack_and_digest_grouped_ms", "stack_and_digest_per_element_mod_ms", "in_step_ms", "in_step_eight_rows_ms",
-            "in_step_eight_rows_device_ms"} <= set(dc)
+            "in_step_eight_rows_device_ms", "in_step_wide_ms", "in_step_wide_device_ms"} <= set(dc)
 
 
 @pytest.mark.parametrize("fault", ["raises", "differs"])

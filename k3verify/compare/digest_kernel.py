@@ -36,18 +36,28 @@ _C32_ALL: list[torch.Tensor] = []
 @triton.jit
 def _row_block(h_ptr, f_ptr, c_ptr, out, n_h, n_f, h_stride, f_stride, c_stride, row, blk,
                SHIFT: tl.constexpr, HAS_F: tl.constexpr, H_PER_F: tl.constexpr, UPCAST: tl.constexpr,
-               P: tl.constexpr, BLOCK: tl.constexpr, PER_ELEMENT_MOD: tl.constexpr):
-    """Block `blk` of row `row`: its lanes' partial sums and finiteness into out[0:7] (atomics)."""
+               P: tl.constexpr, BLOCK: tl.constexpr, PER_ELEMENT_MOD: tl.constexpr, WIDE: tl.constexpr):
+    """Block `blk` of row `row`: its lanes' partial sums and finiteness into out[0:7] (atomics).
+    WIDE: the half and the constant kept as int32 (both fit) and widened only for the product, so
+    the compiler may take a 32 x 32 -> 64-bit multiply instead of a full 64-bit one; the same
+    integers, so the same words (module docstring)."""
     offs = blk * BLOCK + tl.arange(0, BLOCK)
     m = offs < n_h
-    h = tl.load(h_ptr + row * h_stride + offs, mask=m, other=0).to(tl.int64) + SHIFT
+    if WIDE:
+        h = tl.load(h_ptr + row * h_stride + offs, mask=m, other=0).to(tl.int32) + SHIFT     # < 2^16
+    else:
+        h = tl.load(h_ptr + row * h_stride + offs, mask=m, other=0).to(tl.int64) + SHIFT
     h = tl.where(m, h, 0)
     for lane in tl.static_range(4):
-        c = tl.load(c_ptr + lane * c_stride + offs, mask=m, other=0).to(tl.int64)
-        if PER_ELEMENT_MOD:
-            tl.atomic_add(out + lane, tl.sum((h * c) % P, axis=0))
+        if WIDE:
+            c = tl.load(c_ptr + lane * c_stride + offs, mask=m, other=0)                     # int32, < 2^31
+            tl.atomic_add(out + lane, tl.sum(h.to(tl.int64) * c.to(tl.int64), axis=0) % P)
         else:
-            tl.atomic_add(out + lane, tl.sum(h * c, axis=0) % P)
+            c = tl.load(c_ptr + lane * c_stride + offs, mask=m, other=0).to(tl.int64)
+            if PER_ELEMENT_MOD:
+                tl.atomic_add(out + lane, tl.sum((h * c) % P, axis=0))
+            else:
+                tl.atomic_add(out + lane, tl.sum(h * c, axis=0) % P)
     if HAS_F:
         FB: tl.constexpr = BLOCK // H_PER_F
         fo = blk * FB + tl.arange(0, FB)
@@ -69,13 +79,13 @@ def _digest_rows(h_ptr, f_ptr, c_ptr, out_ptr, n_h, n_f, h_stride, f_stride, c_s
                  P: tl.constexpr, BLOCK: tl.constexpr, PER_ELEMENT_MOD: tl.constexpr):
     row = tl.program_id(0)
     _row_block(h_ptr, f_ptr, c_ptr, out_ptr + row * 7, n_h, n_f, h_stride, f_stride, c_stride, row,
-               tl.program_id(1), SHIFT, HAS_F, H_PER_F, UPCAST, P, BLOCK, PER_ELEMENT_MOD)
+               tl.program_id(1), SHIFT, HAS_F, H_PER_F, UPCAST, P, BLOCK, PER_ELEMENT_MOD, False)
 
 
 @triton.jit
 def _digest_slot(h_ptr, f_ptr, i_ptr, c_ptr, out_ptr, n_h, n_f, h_stride, f_stride, c_stride, g, first, last,
                  SHIFT: tl.constexpr, HAS_F: tl.constexpr, H_PER_F: tl.constexpr, UPCAST: tl.constexpr,
-                 INDEXED: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr):
+                 INDEXED: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr, WIDE: tl.constexpr):
     """Global row g, if it is one of this slot's (rows first..last-1) and its block holds data. INDEXED:
     the slot's row j is the tensor's row i_ptr[j] (a pool read in place, no gathered copy)."""
     blk = tl.program_id(1)
@@ -84,7 +94,7 @@ def _digest_slot(h_ptr, f_ptr, i_ptr, c_ptr, out_ptr, n_h, n_f, h_stride, f_stri
         if INDEXED:
             row = tl.load(i_ptr + row)
         _row_block(h_ptr, f_ptr, c_ptr, out_ptr + g * 7, n_h, n_f, h_stride, f_stride, c_stride, row,
-                   blk, SHIFT, HAS_F, H_PER_F, UPCAST, P, BLOCK, False)
+                   blk, SHIFT, HAS_F, H_PER_F, UPCAST, P, BLOCK, False, WIDE)
 
 
 @triton.jit
@@ -93,7 +103,7 @@ def _digest_many_ranges(h0, f0, i0, nh0, nf0, hs0, fs0, h1, f1, i1, nh1, nf1, hs
                         a0, b0, a1, b1, a2, b2, a3, b3, lo, c_ptr, c_stride, out_ptr,
                         SHIFT: tl.constexpr, HAS_F: tl.constexpr, H_PER_F: tl.constexpr, UPCAST: tl.constexpr,
                         INDEXED: tl.constexpr, SLOTS: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr,
-                        ROWS: tl.constexpr):
+                        ROWS: tl.constexpr, WIDE: tl.constexpr):
     """Up to four tensors of one kind (the same constexprs) in one launch. Program (i, blk) takes
     block blk of rows g = lo + i * ROWS + r (r < ROWS) of the words buffer, each in the slot whose rows
     [a_s, b_s) hold it: the ROWS rows read the same block of constants (64 KB at BLOCK 4096), which
@@ -101,16 +111,16 @@ def _digest_many_ranges(h0, f0, i0, nh0, nf0, hs0, fs0, h1, f1, i1, nh1, nf1, hs
     for r in range(ROWS):
         g = lo + tl.program_id(0) * ROWS + r
         _digest_slot(h0, f0, i0, c_ptr, out_ptr, nh0, nf0, hs0, fs0, c_stride, g, a0, b0,
-                     SHIFT, HAS_F, H_PER_F, UPCAST, INDEXED, P, BLOCK)
+                     SHIFT, HAS_F, H_PER_F, UPCAST, INDEXED, P, BLOCK, WIDE)
         if SLOTS > 1:
             _digest_slot(h1, f1, i1, c_ptr, out_ptr, nh1, nf1, hs1, fs1, c_stride, g, a1, b1,
-                         SHIFT, HAS_F, H_PER_F, UPCAST, INDEXED, P, BLOCK)
+                         SHIFT, HAS_F, H_PER_F, UPCAST, INDEXED, P, BLOCK, WIDE)
         if SLOTS > 2:
             _digest_slot(h2, f2, i2, c_ptr, out_ptr, nh2, nf2, hs2, fs2, c_stride, g, a2, b2,
-                         SHIFT, HAS_F, H_PER_F, UPCAST, INDEXED, P, BLOCK)
+                         SHIFT, HAS_F, H_PER_F, UPCAST, INDEXED, P, BLOCK, WIDE)
         if SLOTS > 3:
             _digest_slot(h3, f3, i3, c_ptr, out_ptr, nh3, nf3, hs3, fs3, c_stride, g, a3, b3,
-                         SHIFT, HAS_F, H_PER_F, UPCAST, INDEXED, P, BLOCK)
+                         SHIFT, HAS_F, H_PER_F, UPCAST, INDEXED, P, BLOCK, WIDE)
 
 
 def constants32(m: int, device: torch.device) -> torch.Tensor:
@@ -190,17 +200,23 @@ SLOTS = 4      # tensors one launch of _digest_many takes
 # a program walking its rows in turn hides less latency; one row a program it is. The bench keeps the
 # eight-row form as an arm (`in_step_eight_rows`).
 ROWS_PER_PROGRAM = 1      # at most: a small launch takes fewer (_rows_a_program), so every SM has work
+# The products as 32 x 32 -> 64-bit multiplies (_row_block's WIDE). The step's in-place digests cost
+# 0.87 ms of device time for 321 MB on the H100 (session 25: 370 GB/s, far from the bandwidth), and
+# four full 64-bit multiplies a half are a suspect. Off until the bench's `in_step_wide` arm measures
+# it beside the default in one process; the words are the same either way (test_triton_digest.py).
+WIDE_PRODUCTS = False
 
 
 def summary_words_many(ts: list[torch.Tensor], index: list[torch.Tensor | None] | None = None,
-                       rows_per_program: int = ROWS_PER_PROGRAM) -> list[torch.Tensor]:
+                       rows_per_program: int = ROWS_PER_PROGRAM, wide: bool = WIDE_PRODUCTS) -> list[torch.Tensor]:
     """[summary_words(t, rows=True) for t in ts], the same words, with one words buffer for all of
     them and one launch per up to SLOTS tensors of one kind (dtype class and byte parity), not three
     launches per tensor: a step's capture launches were its cost (NOTES.md, session 21). A tensor past
     the launch grid's limits takes its own call (the torch form). `index[i]` (int64 [n], or None): the
     words of ts[i]'s rows index[i] read in place, as summary_words(ts[i][index[i]], rows=True) gives
     them without the gathered copy (the engine's in-step digests over its state pool).
-    `rows_per_program`: ROWS_PER_PROGRAM, or another count for the bench's A/B (the same words)."""
+    `rows_per_program`: ROWS_PER_PROGRAM, or another count for the bench's A/B (the same words);
+    `wide`: WIDE_PRODUCTS, or the other product form for the bench's A/B (the same words)."""
     if not ts:
         return []
     index = index or [None] * len(ts)
@@ -223,7 +239,7 @@ def summary_words_many(ts: list[torch.Tensor], index: list[torch.Tensor | None] 
     for key, members in groups.items():
         for k in range(0, len(members), SLOTS):
             _launch_group([preps[i] for i in members[k:k + SLOTS]], [starts[i] for i in members[k:k + SLOTS]],
-                          key, c, out, rows_per_program)
+                          key, c, out, rows_per_program, wide)
     return result
 
 
@@ -241,7 +257,7 @@ def _rows_a_program(rows: int, blocks: int, most: int, device: torch.device) -> 
 
 
 def _launch_group(preps: list[_Prepared], starts: list[int], key: tuple, c: torch.Tensor,
-                  out: torch.Tensor, rows_per_program: int = ROWS_PER_PROGRAM) -> None:
+                  out: torch.Tensor, rows_per_program: int = ROWS_PER_PROGRAM, wide: bool = False) -> None:
     """One launch for 1..SLOTS prepared tensors of one kind, whose rows start at `starts` in `out`.
     The launch spans out's rows from the first slot's start to the last slot's end; a row in between
     that belongs to another group lies in no slot's range and is left to that group's launch."""
@@ -257,4 +273,5 @@ def _launch_group(preps: list[_Prepared], starts: list[int], key: tuple, c: torc
     grid = (triton.cdiv(hi - lo, rows_per_program), blocks)
     _digest_many_ranges[grid](*[a for slot in slots for a in slot], *[r for rg in ranges for r in rg], lo, c,
                               c.stride(0), out, SHIFT=shift, HAS_F=has_f, H_PER_F=h_per_f, UPCAST=upcast,
-                              INDEXED=indexed, SLOTS=len(preps), P=dd.P, BLOCK=BLOCK, ROWS=rows_per_program)
+                              INDEXED=indexed, SLOTS=len(preps), P=dd.P, BLOCK=BLOCK, ROWS=rows_per_program,
+                              WIDE=wide)

@@ -195,6 +195,9 @@ def digest_cost(model, batch: int, reps: int = 10) -> dict:
         if form == "in_step_eight_rows":            # the same, up to eight rows a program (slower: session 24)
             from k3verify.compare.digest_kernel import summary_words_many
             return summary_words_many([logits] + pools, [None] + [slots] * len(pools), rows_per_program=8)
+        if form == "in_step_wide":                  # the same, the products as 32 x 32 -> 64-bit multiplies
+            from k3verify.compare.digest_kernel import summary_words_many
+            return summary_words_many([logits] + pools, [None] + [slots] * len(pools), wide=True)
         for rows in views:
             t = torch.stack(rows) if stack or form else None
             if form:
@@ -209,6 +212,7 @@ def digest_cost(model, batch: int, reps: int = 10) -> dict:
         arms.append(("stack_and_digest_grouped_ms", True, "grouped"))
         arms.append(("in_step_ms", False, "in_step"))
         arms.append(("in_step_eight_rows_ms", False, "in_step_eight_rows"))
+        arms.append(("in_step_wide_ms", False, "in_step_wide"))
     times: dict[str, list[float]] = {name: [] for name, _, _ in arms}
     for name, stack, form in arms:                   # compile and warm every form first
         one_step(stack, form)
@@ -232,13 +236,15 @@ def digest_cost(model, batch: int, reps: int = 10) -> dict:
             lambda: one_step(True, "grouped"))
         out["in_step_device_ms"], out["in_step_launches"] = _device_time(lambda: one_step(False, "in_step"))
         out["in_step_eight_rows_device_ms"], _ = _device_time(lambda: one_step(False, "in_step_eight_rows"))
+        out["in_step_wide_device_ms"], _ = _device_time(lambda: one_step(False, "in_step_wide"))
         a, b, c = one_step(True, "default"), one_step(True, "per_element_mod"), one_step(True, "grouped")
         # the in-step forms put the logits first, the others last
-        d, e = ((w[1:] + w[:1]) for w in (one_step(False, "in_step"), one_step(False, "in_step_eight_rows")))
+        d, e, f = ((w[1:] + w[:1]) for w in (one_step(False, "in_step"), one_step(False, "in_step_eight_rows"),
+                                             one_step(False, "in_step_wide")))
         out["kernel_broken"] = device_digest._KERNEL_BROKEN        # None: the default arm ran the kernel
         out["grouped_broken"] = device_digest._GROUPED_BROKEN      # None: the grouped arm ran grouped
         same = device_digest.same_words
-        out["forms_same_words"] = same(a, b) and same(a, c) and same(a, d) and same(a, e)
+        out["forms_same_words"] = same(a, b) and same(a, c) and same(a, d) and same(a, e) and same(a, f)
     out["tensors_a_step"] = len(views) + 1
     out["bytes_a_step"] = batch * sum(t.numel() * t.element_size() for kda in st.kda.values()
                                       for t in kda.tensors().values()) + logits.numel() * 4
@@ -414,7 +420,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{dc['stack_and_digest_grouped_device_ms']:.2f} ms, {dc['stack_and_digest_grouped_launches']} "
               f"activities); the step's in-place form (what a graph replays) {dc['in_step_ms']:.2f} ms (the "
               f"device busy {dc['in_step_device_ms']:.2f} ms, {dc['in_step_launches']} activities; eight rows "
-              f"a program: {dc['in_step_eight_rows_ms']:.2f} ms, the device {dc['in_step_eight_rows_device_ms']:.2f} ms); "
+              f"a program: {dc['in_step_eight_rows_ms']:.2f} ms, the device {dc['in_step_eight_rows_device_ms']:.2f} ms; "
+              f"the products as 32 x 32 -> 64-bit multiplies (WIDE): {dc['in_step_wide_ms']:.2f} ms, the device "
+              f"{dc['in_step_wide_device_ms']:.2f} ms); "
               f"same words: {dc['forms_same_words']}; kernel failed: {dc['kernel_broken']}")
     sp = doc["step_split"]
     print(f"  a steady step, unwatched / watched: wall {sp['none']['wall_ms']:.2f} / {sp['capture']['wall_ms']:.2f} ms, "
