@@ -77,6 +77,8 @@ EVENTS = {
     "fused_situ": "the routed experts' SiTU-GLU ran as the fused Triton kernel (fused_situ): a decode step's "
                   "request rows (FastDecoder.run), a prefill MoE layer's (token, expert) rows "
                   "(engine._sorted_experts)",
+    "fused_situ_wide": "the fused SiTU-GLU ran on experts wider than 64 (as fused_situ; only where "
+                       "moe_intermediate_size > 64)",
     # k3verify/run/sequential.py (the verifier's runner-level toggles)
     "prompt_via_step_api": "a prompt was fed through the step API in more than one call",
     "state_roundtrip": "a request's state was serialised to bytes and restored",
@@ -127,6 +129,13 @@ DIMS_NEEDED = {
     # a sum of two experts from zero is the same in either order ((0 + a) + b == (0 + b) + a)
     "fast_fused_combine_three_plus": ("num_experts_per_token", 2, "two experts a row, whose sum from zero "
                                       "is the same in any order"),
+    # not a code path but a count: a fault of a few fp32 ULP in the fused SiTU-GLU's sigmoid reaches a
+    # bf16 activation only where it crosses a rounding boundary, ~2^-16 of the elements it moves. On
+    # multi_length k3-mini's width-32 experts give ~3e5 routed activations, about one expected crossing
+    # (a coin toss); k3-small's width 384, ~1e7 and dozens (estimate: kernels/moe/situ.py's fault,
+    # emulated under the interpreter, moved 12 of 1M bf16 outputs)
+    "fused_situ_wide": ("moe_intermediate_size", 64, "experts this narrow give a scenario too few activations "
+                        "for a few-ULP fault in the sigmoid to cross a bf16 rounding reliably"),
 }
 
 

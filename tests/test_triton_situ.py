@@ -216,6 +216,7 @@ def test_the_engine_runs_the_kernel_in_decode_and_sorted_prefill_and_fires_its_e
     moe_layers = sum(model.config.is_moe_layer(i) for i in range(model.config.num_layers))
     prefill_rows = sum(map(len, ENGINE_PROMPTS)) * model.config.num_experts_per_token * moe_layers
     assert p_events["fused_situ"] == p_events["fast_decode_rows"] + prefill_rows
+    assert p_events.get("fused_situ_wide", 0) == 0, "k3-mini's experts are 32 wide: the fast-exp fault is not judged"
     assert d_tokens == p_tokens == tokens
     # negative control: the dropped linear_beta through the same wiring changes the logits
     _, m_rows, m_events = engine_run(model, ENGINE_PROMPTS, fused_situ=True, prefill_sorted_experts=True,
@@ -242,7 +243,9 @@ def _magnitudes(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_on_cuda_the_kernel_is_the_torch_formula_bit_for_bit(dtype):
     """torch's CUDA ops (ops.situ on CUDA tensors) against the kernel over ~1M elements of every
-    magnitude; the fast-exp fault (tl.exp's ex2.approx in the sigmoid) must differ: its control."""
+    magnitude; the fast-exp fault (tl.exp's ex2.approx in the sigmoid) must differ: its control, in
+    fp32, where its few ULP show wherever |g| > ~0.35 (in bf16 ~2^-16 of them cross a rounding, too
+    few in a sweep that gives most elements to tiny and huge binades)."""
     from k3verify.compare.tensors import compare_tensors
     n = 1 << 20
     gate = _magnitudes(n, dtype, seed=0).cuda()
@@ -252,5 +255,7 @@ def test_on_cuda_the_kernel_is_the_torch_formula_bit_for_bit(dtype):
     got = _situ().fused_situ(gate, up, BETA, LINEAR_BETA)
     finding = compare_tensors(ref, got, label="fused_situ vs ops.situ on CUDA")
     assert finding.equal, finding.message()
-    fast = _situ().fused_situ(gate, up, BETA, LINEAR_BETA, fault="fast_exp")
-    assert not bit_equal(fast, ref), "tl.exp gave expf's bits on every element: the bitwise check shows nothing"
+    gen = torch.Generator().manual_seed(3)
+    g32, u32 = ((torch.randn(1024, 256, generator=gen) * 4).cuda() for _ in range(2))
+    fast = _situ().fused_situ(g32, u32, BETA, LINEAR_BETA, fault="fast_exp")
+    assert not bit_equal(fast, _reference(g32, u32)), "tl.exp gave expf's bits on every element: the check shows nothing"

@@ -301,11 +301,11 @@ class Engine:
         if not self.opts.prefill_sorted_experts:
             return None
         from ..kernels.moe import sorted as sorted_experts
-        from ..kernels.moe.situ_form import situ_form
+        from ..kernels.moe.situ_form import fire_situ_events, situ_form
         form = (sorted_experts.routed_sorted_weights_unsorted
                 if "mut_sorted_experts_weights_unsorted" in self.opts.faults else sorted_experts.routed_sorted)
-        events = self.events
-        act = (situ_form(self.opts.faults, lambda rows: events.fire("fused_situ", rows))
+        events, config = self.events, self.model.config
+        act = (situ_form(self.opts.faults, lambda rows: fire_situ_events(events, rows, config))
                if self.opts.fused_situ else None)
 
         def experts(moe, h, idx, w):

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ...errors import K3Error
+from ...kernels.moe.situ_form import fire_situ_events
 from .batch import ROW_KDA_SLOT, build_meta, padded_size
 from .decode_step import DecodeStep
 from .graphs import GraphRunner
@@ -120,7 +121,7 @@ class FastDecoder:
             if self.model.config.num_experts_per_token > 2:
                 self.events.fire("fast_fused_combine_three_plus", len(reqs))
         if self.step.situ_fused:                                         # set by the (captured) forward
-            self.events.fire("fused_situ", len(reqs))
+            fire_situ_events(self.events, len(reqs), self.model.config)
         return FastResult(rows, tokens, words)
 
     def _forward(self, meta_host: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

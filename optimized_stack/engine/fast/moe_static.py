@@ -79,7 +79,7 @@ def routed_static(moe, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, *,
     """MoE.routed on static shapes (module docstring). h [T, De] -> [T, De] fp32.
     `_fused_combine` (routed_static_fused) combines in one Triton launch; "slot_order" and
     "drop_last" are its seeded faults. `_situ`: the activation in situ's place (fused_situ's
-    kernels/moe/situ.py situ_form; None: model/ops.py situ)."""
+    kernels/moe/situ_form.py; None: model/ops.py situ)."""
     experts = moe.experts
     n_exp, top_k = len(experts), idx.shape[1]
     flat, pos = placement(idx, n_exp)

@@ -128,11 +128,12 @@ register(Toggle(
                 "IEEE division, no FMA, torch's order and bf16 rounding), in the batched decode step's "
                 "static experts and the sorted prefill experts"))
 # a few ULP in the sigmoid, in fp32, before the bf16 rounding: only the GPU's bitwise check sees it (the
-# interpreter has no libdevice), and on k3-mini only where one of the scenario's ~10^5 activations
-# sits that close to a bf16 rounding boundary (a handful expected on multi_length's prefills)
+# interpreter has no libdevice), and in bf16 only through enough activations to cross a rounding
+# boundary: judged where the experts are wider than 64 (k3-small), not applicable at k3-mini's 32
+# (events.py DIMS_NEEDED fused_situ_wide)
 _mut("mut_fused_situ_fast_exp", "fused_situ", "the fused SiTU-GLU's sigmoid takes tl.exp (ex2.approx of "
      "x * log2 e) instead of libdevice's expf: a few fp32 ULP", FUSED_SITU, ("logits",), "ops/moe_experts",
-     ("fused_situ",), devices=CUDA)
+     ("fused_situ_wide",), devices=CUDA)
 _mut("mut_fused_situ_no_linear_beta", "fused_situ", "the fused SiTU-GLU leaves out the linear_beta factor "
      "of its up half (tanh(u / lb) unscaled)", FUSED_SITU, ("logits",), "ops/moe_experts", ("fused_situ",),
      devices=CUDA)

@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from ...events import DIMS_NEEDED, Events
 from ...model.ops import situ
 from ..gpu_reference import interpreting
 
@@ -36,3 +37,12 @@ def situ_form(faults: frozenset[str], ran: Callable[[int], None]) -> Callable[..
         ran(gate.numel() // gate.shape[-1] if gate.shape[-1] else 0)
         return out
     return act
+
+
+def fire_situ_events(events: Events, rows: int, config) -> None:
+    """The path events of `rows` rows through the kernel: fused_situ, and fused_situ_wide where the
+    model's experts are wide enough for a few-ULP fault to show in bf16 (events.py DIMS_NEEDED)."""
+    events.fire("fused_situ", rows)
+    field, width, _ = DIMS_NEEDED["fused_situ_wide"]
+    if getattr(config, field) > width:
+        events.fire("fused_situ_wide", rows)
