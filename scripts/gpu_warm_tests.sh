@@ -41,6 +41,8 @@ if [ "${TESTS:-1}" = 1 ]; then
   # the digest kernel's tests carry no gpu marker (they run under the interpreter in CI): all of them here
   timeout "$(limit 200)" python3 -m pytest -m gpu tests/test_gpu_reference.py tests/test_capture_batched.py \
     tests/test_step_digests.py tests/test_fast_gpu.py::test_fla_rows_forms_equal_one_request_per_call \
+    tests/test_fast_gpu.py::test_the_flash_bf16_toggle_decodes_batched_with_the_bits_of_its_one_request_calls \
+    tests/test_triton_situ.py \
     -q -p no:cacheprovider -rs > "$OUT/logs/pytest-gpu.log" 2>&1
   since "pytest -m gpu rc=$?"
   tail -3 "$OUT/logs/pytest-gpu.log"
