@@ -27,9 +27,16 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: tor
     if vd < q.shape[-1]:
         v = torch.cat([v, v.new_zeros(*v.shape[:-1], q.shape[-1] - vd)], -1)
     qh, kh, vh = (x.float().permute(1, 0, 2).unsqueeze(0) for x in (q, k, v))   # [1, H, *, *]
-    start = int(q_pos[0])
-    contiguous = bool((q_pos == torch.arange(start, start + t_len, device=q.device)).all())
-    if contiguous and start + t_len == s_len and start == 0 and not _mask_leaks_next:
+    if t_len == 1:
+        # one query (a decode): its positions are contiguous by definition, and it starts at 0 with
+        # S = start + 1 keys exactly when S == 1 (0 <= q_pos < S): the branch below without its two
+        # host syncs, which the engine's one-request-at-a-time decode paid per request per layer
+        whole_causal = s_len == 1
+    else:
+        start = int(q_pos[0])
+        contiguous = bool((q_pos == torch.arange(start, start + t_len, device=q.device)).all())
+        whole_causal = contiguous and start + t_len == s_len and start == 0
+    if whole_causal and not _mask_leaks_next:
         out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
     else:
         visible = torch.arange(s_len, device=q.device).view(1, -1) <= q_pos.view(-1, 1) + int(_mask_leaks_next)  # [T, S]
