@@ -192,6 +192,45 @@ def test_routed_static_grouped_is_close_and_its_fault_is_not(model):
     assert (routed_static_grouped(moe, h, idx, w, _drop_last=True) - ref).abs().max() > 1e-2 * scale
 
 
+@pytest.mark.parametrize("op", ["reference", "mla_sdpa", "mla_absorbed"])
+def test_one_by_one_on_packed_rows_gives_each_request_its_own_calls_bits(model, op):
+    """_one_by_one gathers every request's rows in one go (packed_rows) and calls the op per request
+    on its slice: each output row must be bitwise the op called on that request's own gathered rows
+    (request_rows), the form before, for the reference attention, an attention op (mla_sdpa) and a
+    decode op (mla_absorbed's own, not its paged form). Slots out of order, one reused table."""
+    from optimized_stack import toggles
+    from optimized_stack.engine.fast.mla_step import PagedMLA, _one_by_one, request_rows
+    from optimized_stack.model.mla import blocked_attention
+    from optimized_stack.model.ops import OPS
+    layer = next(l.self_attn for l in model.model.layers if l.kind == "mla")
+    cfg = model.config
+    lengths, bs = (5, 64, 65, 130), 16
+    q, rows, kv, tables, pos, _ = _paged(lengths, bs, h=cfg.num_heads, c=cfg.qk_head_dim, nope=cfg.qk_nope_head_dim,
+                                         vd=cfg.v_head_dim, lat=cfg.kv_lora_rank, seed=7)
+    pool = PagedMLA(rows.view(-1, bs, rows.shape[-1]), kv.view(-1, bs, kv.shape[-1]), bs)
+    order = torch.tensor([2, 0, 3, 1, 2])                 # table slots out of order, slot 2 twice
+    q5, pos5 = torch.cat([q, q[:1]]), pos[order]
+    h, nope, lat = cfg.num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+
+    def alone(b: int) -> torch.Tensor:
+        slot, n = int(order[b]), int(pos5[b]) + 1
+        r = request_rows(pool, tables[slot], n)
+        if OPS.mla_decode is not None:
+            return OPS.mla_decode(layer, q5[b:b + 1], r, pos5[b:b + 1])
+        kv3 = request_rows(pool, tables[slot], n, kv=True).view(n, h, nope + cfg.v_head_dim)
+        k = torch.cat([kv3[..., :nope], r[:, lat:].unsqueeze(1).expand(-1, h, -1)], -1)
+        return (OPS.attention or blocked_attention)(q5[b:b + 1], k, kv3[..., nope:], pos5[b:b + 1],
+                                                    cfg.qk_head_dim ** -0.5)
+
+    names = [] if op == "reference" else [op]
+    with toggles.applied(names):
+        got = _one_by_one(layer, q5, pool, tables, order, pos5)
+        for b in range(len(order)):
+            assert torch.equal(got[b:b + 1], alone(b)), f"{op}: request {b} differs from its own call"
+        # control: another request's own call gives other bits, so a slice mix-up would be seen
+        assert not torch.equal(got[1:2], alone(0))
+
+
 def test_paged_absorbed_cpu_is_the_absorbed_op_per_request_to_rounding(model):
     """The batched paged form of mla_absorbed (what the fast step runs under that toggle) against
     the toggle's own op on each request's rows: approx (another summation order), 1e-5 relative."""

@@ -18,6 +18,7 @@ P max blocks per request.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Callable
 
 import torch
@@ -116,18 +117,37 @@ def request_rows(pool: PagedMLA, table: torch.Tensor, n: int, kv: bool = False) 
     return (pool.kv if kv else pool.rows)[flat]
 
 
+def packed_rows(pool: PagedMLA, tables: torch.Tensor, table_slot: torch.Tensor, pos: torch.Tensor,
+                lengths: list[int], kv: bool = False) -> torch.Tensor:
+    """Every request's first lengths[b] = pos[b] + 1 rows, request after request: [sum, R] (or [sum, W]).
+    Request b's slice holds the values request_rows gives it (a gather copies exactly), in one gather for
+    the batch, not one index build and gather per request."""
+    n = torch.tensor(lengths, device=pos.device)
+    req = torch.repeat_interleave(torch.arange(len(lengths), device=pos.device), n, output_size=sum(lengths))
+    p = torch.arange(sum(lengths), device=pos.device) - (torch.cumsum(n, 0) - n)[req]          # row in its request
+    bs = pool.block_size
+    flat = tables[table_slot[req], p // bs].long() * bs + p % bs
+    return (pool.kv if kv else pool.rows)[flat]
+
+
 def _one_by_one(layer: MLAttention, q, pool: PagedMLA, tables, table_slot, pos) -> torch.Tensor:
-    """forward_projected's attention for each request alone, with the ops in force."""
+    """forward_projected's attention for each request alone, with the ops in force. The requests' rows
+    are gathered for the batch at once (packed_rows); the op is called per request on its slice."""
     cfg = layer.cfg
     h, nope, lat = cfg.num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+    lengths = [p + 1 for p in pos.tolist()]
+    starts = [0, *itertools.accumulate(lengths)][:-1]
+    all_rows = packed_rows(pool, tables, table_slot, pos, lengths)
+    all_kv = None if OPS.mla_decode is not None else packed_rows(pool, tables, table_slot, pos, lengths, kv=True)
     outs = []
-    for b, (slot, p) in enumerate(zip(table_slot.tolist(), pos.tolist())):
-        rows = request_rows(pool, tables[slot], p + 1)
+    for b, (a, n) in enumerate(zip(starts, lengths)):
+        p = n - 1
+        rows = all_rows[a:a + n]
         q_pos = pos[b:b + 1]
         if OPS.mla_decode is not None:
             outs.append(OPS.mla_decode(layer, q[b:b + 1], rows, q_pos))
             continue
-        kv3 = request_rows(pool, tables[slot], p + 1, kv=True).view(p + 1, h, nope + cfg.v_head_dim)
+        kv3 = all_kv[a:a + n].view(p + 1, h, nope + cfg.v_head_dim)
         k_rope = rows[:, lat:].unsqueeze(1).expand(-1, h, -1)
         k, v = torch.cat([kv3[..., :nope], k_rope], -1), kv3[..., nope:]
         attn = OPS.attention or blocked_attention
