@@ -89,6 +89,24 @@ def _paged(lengths, block_size, h=4, c=24, nope=16, vd=16, lat=16, seed=0):
     return q, rows, kv, tables, pos, refs
 
 
+def _model_pool(model, seed: int, lengths=(5, 64, 65, 130), bs: int = 16):
+    """An MLA layer of the model and a random paged pool at its widths: (layer, q, pool, tables, pos)."""
+    from optimized_stack.engine.fast.mla_step import PagedMLA
+    layer = next(l.self_attn for l in model.model.layers if l.kind == "mla")
+    cfg = model.config
+    q, rows, kv, tables, pos, _ = _paged(lengths, bs, h=cfg.num_heads, c=cfg.qk_head_dim, nope=cfg.qk_nope_head_dim,
+                                         vd=cfg.v_head_dim, lat=cfg.kv_lora_rank, seed=seed)
+    return layer, q, PagedMLA(rows.view(-1, bs, rows.shape[-1]), kv.view(-1, bs, kv.shape[-1]), bs), tables, pos
+
+
+def _request_rows(pool, table: torch.Tensor, n: int, kv: bool = False) -> torch.Tensor:
+    """One request's first n rows of a pool through its table, gathered alone (the form the fast
+    step's packed gather is compared with): [n, R] or [n, W]."""
+    p = torch.arange(n, device=table.device)
+    flat = table[p // pool.block_size].long() * pool.block_size + p % pool.block_size
+    return (pool.kv if kv else pool.rows)[flat]
+
+
 PAGED = [((1,), 64), ((5, 64, 65, 130, 1), 64), ((200, 3, 129, 128, 77, 63), 16), ((70, 256, 3), 128)]
 
 
@@ -196,28 +214,24 @@ def test_routed_static_grouped_is_close_and_its_fault_is_not(model):
 def test_one_by_one_on_packed_rows_gives_each_request_its_own_calls_bits(model, op):
     """_one_by_one gathers every request's rows in one go (packed_rows) and calls the op per request
     on its slice: each output row must be bitwise the op called on that request's own gathered rows
-    (request_rows), the form before, for the reference attention, an attention op (mla_sdpa) and a
+    (_request_rows), the form before, for the reference attention, an attention op (mla_sdpa) and a
     decode op (mla_absorbed's own, not its paged form). Slots out of order, one reused table."""
     from optimized_stack import toggles
-    from optimized_stack.engine.fast.mla_step import PagedMLA, _one_by_one, request_rows
+    from optimized_stack.engine.fast.mla_step import _one_by_one
     from optimized_stack.model.mla import blocked_attention
     from optimized_stack.model.ops import OPS
-    layer = next(l.self_attn for l in model.model.layers if l.kind == "mla")
+    layer, q, pool, tables, pos = _model_pool(model, seed=7)
     cfg = model.config
-    lengths, bs = (5, 64, 65, 130), 16
-    q, rows, kv, tables, pos, _ = _paged(lengths, bs, h=cfg.num_heads, c=cfg.qk_head_dim, nope=cfg.qk_nope_head_dim,
-                                         vd=cfg.v_head_dim, lat=cfg.kv_lora_rank, seed=7)
-    pool = PagedMLA(rows.view(-1, bs, rows.shape[-1]), kv.view(-1, bs, kv.shape[-1]), bs)
     order = torch.tensor([2, 0, 3, 1, 2])                 # table slots out of order, slot 2 twice
     q5, pos5 = torch.cat([q, q[:1]]), pos[order]
     h, nope, lat = cfg.num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
 
     def alone(b: int) -> torch.Tensor:
         slot, n = int(order[b]), int(pos5[b]) + 1
-        r = request_rows(pool, tables[slot], n)
+        r = _request_rows(pool, tables[slot], n)
         if OPS.mla_decode is not None:
             return OPS.mla_decode(layer, q5[b:b + 1], r, pos5[b:b + 1])
-        kv3 = request_rows(pool, tables[slot], n, kv=True).view(n, h, nope + cfg.v_head_dim)
+        kv3 = _request_rows(pool, tables[slot], n, kv=True).view(n, h, nope + cfg.v_head_dim)
         k = torch.cat([kv3[..., :nope], r[:, lat:].unsqueeze(1).expand(-1, h, -1)], -1)
         return (OPS.attention or blocked_attention)(q5[b:b + 1], k, kv3[..., nope:], pos5[b:b + 1],
                                                     cfg.qk_head_dim ** -0.5)
@@ -235,18 +249,12 @@ def test_paged_absorbed_cpu_is_the_absorbed_op_per_request_to_rounding(model):
     """The batched paged form of mla_absorbed (what the fast step runs under that toggle) against
     the toggle's own op on each request's rows: approx (another summation order), 1e-5 relative."""
     from optimized_stack.engine.fast.absorbed_step import paged_absorbed
-    from optimized_stack.engine.fast.mla_step import PagedMLA, request_rows
     from optimized_stack.kernels.mla.absorbed import mla_absorbed
-    layer = next(l.self_attn for l in model.model.layers if l.kind == "mla")
-    cfg = model.config
-    lengths, bs = (5, 64, 65, 130), 16
-    q, rows, kv, tables, pos, _ = _paged(lengths, bs, h=cfg.num_heads, c=cfg.qk_head_dim, nope=cfg.qk_nope_head_dim,
-                                         vd=cfg.v_head_dim, lat=cfg.kv_lora_rank, seed=6)
-    pool = PagedMLA(rows.view(-1, bs, rows.shape[-1]), kv.view(-1, bs, kv.shape[-1]), bs)
-    slots = torch.arange(len(lengths))
+    layer, q, pool, tables, pos = _model_pool(model, seed=6)
+    slots = torch.arange(q.shape[0])
     got = paged_absorbed(layer, q, pool, tables, slots, pos)
-    for b, n in enumerate(lengths):
-        want = mla_absorbed(layer, q[b:b + 1], request_rows(pool, tables[b], n), pos[b:b + 1])
+    for b, n in enumerate((pos + 1).tolist()):
+        want = mla_absorbed(layer, q[b:b + 1], _request_rows(pool, tables[b], n), pos[b:b + 1])
         assert (got[b] - want[0]).abs().max() <= 1e-5 * want.abs().max(), f"request {b}"
 
 

@@ -110,19 +110,12 @@ def attend(layer: MLAttention, q: torch.Tensor, pool: PagedMLA, tables: torch.Te
                                nope=cfg.qk_nope_head_dim, v_dim=cfg.v_head_dim, block_size=pool.block_size)
 
 
-def request_rows(pool: PagedMLA, table: torch.Tensor, n: int, kv: bool = False) -> torch.Tensor:
-    """The first n rows of one request's table [P] -> [n, R] (or [n, W])."""
-    p = torch.arange(n, device=table.device)
-    flat = table[p // pool.block_size].long() * pool.block_size + p % pool.block_size
-    return (pool.kv if kv else pool.rows)[flat]
-
-
 def packed_rows(pool: PagedMLA, tables: torch.Tensor, table_slot: torch.Tensor, pos: torch.Tensor,
                 lengths: list[int], kv: bool = False) -> torch.Tensor:
     """Every request's first lengths[b] = pos[b] + 1 rows, request after request: [sum, R] (or [sum, W]).
-    Request b's slice holds the values request_rows gives it (a gather copies exactly), in one gather for
-    the batch, not one index build and gather per request."""
-    n = torch.tensor(lengths, device=pos.device)
+    Request b's slice holds the values a gather of its own rows would (a gather copies exactly), in one
+    gather for the batch, not one index build and gather per request."""
+    n = pos.long() + 1                                                          # lengths, on the device
     req = torch.repeat_interleave(torch.arange(len(lengths), device=pos.device), n, output_size=sum(lengths))
     p = torch.arange(sum(lengths), device=pos.device) - (torch.cumsum(n, 0) - n)[req]          # row in its request
     bs = pool.block_size
@@ -141,13 +134,12 @@ def _one_by_one(layer: MLAttention, q, pool: PagedMLA, tables, table_slot, pos) 
     all_kv = None if OPS.mla_decode is not None else packed_rows(pool, tables, table_slot, pos, lengths, kv=True)
     outs = []
     for b, (a, n) in enumerate(zip(starts, lengths)):
-        p = n - 1
         rows = all_rows[a:a + n]
         q_pos = pos[b:b + 1]
         if OPS.mla_decode is not None:
             outs.append(OPS.mla_decode(layer, q[b:b + 1], rows, q_pos))
             continue
-        kv3 = all_kv[a:a + n].view(p + 1, h, nope + cfg.v_head_dim)
+        kv3 = all_kv[a:a + n].view(n, h, nope + cfg.v_head_dim)
         k_rope = rows[:, lat:].unsqueeze(1).expand(-1, h, -1)
         k, v = torch.cat([kv3[..., :nope], k_rope], -1), kv3[..., nope:]
         attn = OPS.attention or blocked_attention
